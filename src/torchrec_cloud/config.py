@@ -1,0 +1,395 @@
+"""One typed config tree for a training job, its presets, and the CLI flags made from it.
+
+Every leaf field of :class:`JobConfig` is a command-line flag of the same snake_case name
+(``--batch_size``, ``--embedding_dim``, ...), the names the seed scripts use. A preset is
+a small function returning a full :class:`JobConfig`; flags given on the command line
+override the preset's values::
+
+    cfg = parse_job_config(["--preset", "criteo-1tb", "--batch_size", "4096"])
+
+A bad value raises :class:`ConfigError` naming the flag; the CLI turns it into a one-line
+message and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Optional
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; ``flag`` names the offending flag."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(f"--{flag}: {message}")
+        self.flag = flag
+
+
+def _positive(flag: str, value: int | float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(flag, f"must be {bound}, got {value}")
+
+
+def _positive_list(flag: str, values: Optional[list[int]], min_len: int = 1) -> None:
+    if values is None:
+        return
+    if len(values) < min_len:
+        raise ConfigError(flag, f"needs at least {min_len} value(s), got {len(values)}")
+    for v in values:
+        if v <= 0:
+            raise ConfigError(flag, f"every value must be > 0, got {v} in {values}")
+
+
+@dataclass
+class ModelConfig:
+    """The DLRM family from ``torchrec.models.dlrm``."""
+
+    interaction: Literal["dot", "dcn", "projection"] = "dot"
+    """Feature interaction: ``dot`` (DLRM pairwise dots), ``dcn`` (DCNv2 cross layers),
+    ``projection`` (DLRM_Projection)."""
+    num_dense_features: int = 13
+    """Dense (integer) input features per sample."""
+    num_sparse_features: int = 26
+    """Categorical features per sample, one embedding table each."""
+    num_embeddings: int = 100_000
+    """Rows per embedding table when --num_embeddings_per_feature is not given."""
+    num_embeddings_per_feature: Optional[list[int]] = None
+    """Rows of each table (comma-separated, one per sparse feature); overrides --num_embeddings."""
+    embedding_dim: int = 64
+    """Width of every embedding table; must equal the last bottom-MLP layer for dot interaction."""
+    dense_arch_layer_sizes: list[int] = field(default_factory=lambda: [512, 256, 64])
+    """Bottom MLP layer sizes (comma-separated)."""
+    over_arch_layer_sizes: list[int] = field(default_factory=lambda: [512, 256, 1])
+    """Top MLP layer sizes (comma-separated); the last must be 1."""
+    dcn_num_layers: int = 3
+    """Cross layers of the DCNv2 interaction."""
+    dcn_low_rank_dim: int = 512
+    """Low-rank width of each DCNv2 cross layer."""
+    interaction_branch1_layer_sizes: list[int] = field(default_factory=lambda: [2048, 2048])
+    """Projection interaction: first branch MLP sizes."""
+    interaction_branch2_layer_sizes: list[int] = field(default_factory=lambda: [2048, 2048])
+    """Projection interaction: second branch MLP sizes."""
+
+    def __post_init__(self) -> None:
+        _positive("num_dense_features", self.num_dense_features)
+        _positive("num_sparse_features", self.num_sparse_features)
+        _positive("num_embeddings", self.num_embeddings)
+        _positive("embedding_dim", self.embedding_dim)
+        _positive("dcn_num_layers", self.dcn_num_layers)
+        _positive("dcn_low_rank_dim", self.dcn_low_rank_dim)
+        _positive_list("dense_arch_layer_sizes", self.dense_arch_layer_sizes)
+        _positive_list("over_arch_layer_sizes", self.over_arch_layer_sizes)
+        _positive_list("interaction_branch1_layer_sizes", self.interaction_branch1_layer_sizes)
+        _positive_list("interaction_branch2_layer_sizes", self.interaction_branch2_layer_sizes)
+        _positive_list("num_embeddings_per_feature", self.num_embeddings_per_feature)
+        if self.num_embeddings_per_feature is not None and (
+            len(self.num_embeddings_per_feature) != self.num_sparse_features
+        ):
+            raise ConfigError(
+                "num_embeddings_per_feature",
+                f"needs one value per sparse feature ({self.num_sparse_features}), "
+                f"got {len(self.num_embeddings_per_feature)}",
+            )
+        if self.over_arch_layer_sizes[-1] != 1:
+            raise ConfigError(
+                "over_arch_layer_sizes",
+                f"the last layer must be 1 (one click logit), got {self.over_arch_layer_sizes}",
+            )
+        if self.dense_arch_layer_sizes[-1] != self.embedding_dim:
+            raise ConfigError(
+                "dense_arch_layer_sizes",
+                f"the last layer ({self.dense_arch_layer_sizes[-1]}) must equal "
+                f"--embedding_dim ({self.embedding_dim})",
+            )
+        if self.interaction == "projection":
+            b1, b2 = self.interaction_branch1_layer_sizes, self.interaction_branch2_layer_sizes
+            if b1[-1] % self.embedding_dim or b2[-1] % self.embedding_dim:
+                raise ConfigError(
+                    "interaction_branch1_layer_sizes",
+                    "the last layer of each projection branch must be a multiple of "
+                    f"--embedding_dim ({self.embedding_dim})",
+                )
+
+    @property
+    def table_sizes(self) -> list[int]:
+        """Rows of each embedding table, one per sparse feature."""
+        if self.num_embeddings_per_feature is not None:
+            return list(self.num_embeddings_per_feature)
+        return [self.num_embeddings] * self.num_sparse_features
+
+
+@dataclass
+class DataConfig:
+    """Where batches come from and how big they are."""
+
+    synthetic: Literal["random", "planted"] = "planted"
+    """Synthetic data when no --dataset_path: ``random`` (random labels, as in the seeds) or
+    ``planted`` (labels from a fixed random teacher, so learning is measurable)."""
+    dataset_path: Optional[str] = None
+    """Folder or URL of preprocessed Criteo shards (``torchrec-cloud data preprocess``)."""
+    batch_size: int = 8192
+    """Samples per batch on each rank."""
+    num_batches_per_epoch: int = 100
+    """Synthetic data: training batches per rank per epoch."""
+    num_eval_batches: int = 8
+    """Synthetic data: held-out batches per split (val and test), shared by all ranks."""
+    seed: int = 0
+    """Seed for data generation, model initialisation and shuffling."""
+
+    def __post_init__(self) -> None:
+        _positive("batch_size", self.batch_size)
+        _positive("num_batches_per_epoch", self.num_batches_per_epoch)
+        _positive("num_eval_batches", self.num_eval_batches)
+        if self.dataset_path is not None and not self.dataset_path.strip():
+            raise ConfigError("dataset_path", "must not be empty")
+
+
+@dataclass
+class OptimizerConfig:
+    """Fused row-wise Adagrad for the tables (applied in backward), Adagrad or SGD for the MLPs."""
+
+    learning_rate: float = 0.05
+    """Peak learning rate of the dense optimizer and (unless set apart) of the tables."""
+    embedding_learning_rate: Optional[float] = None
+    """Learning rate of the fused row-wise Adagrad on the tables; defaults to --learning_rate."""
+    dense_optimizer: Literal["adagrad", "sgd"] = "adagrad"
+    """Optimizer of the MLPs (data-parallel part)."""
+    eps: float = 1e-8
+    """Adagrad epsilon (dense and row-wise)."""
+    warmup_steps: int = 0
+    """Linear warm-up from 0 to the peak learning rate over this many steps."""
+    decay_start_step: int = 0
+    """Step at which polynomial decay starts (0 with --decay_steps 0: no decay)."""
+    decay_steps: int = 0
+    """Length of the polynomial decay; 0 turns decay off."""
+    decay_power: float = 2.0
+    """Power of the polynomial decay."""
+    lr_end: float = 0.0
+    """Learning rate at the end of the decay, as a fraction of the peak."""
+
+    def __post_init__(self) -> None:
+        _positive("learning_rate", self.learning_rate)
+        if self.embedding_learning_rate is not None:
+            _positive("embedding_learning_rate", self.embedding_learning_rate)
+        _positive("eps", self.eps)
+        _positive("warmup_steps", self.warmup_steps, allow_zero=True)
+        _positive("decay_start_step", self.decay_start_step, allow_zero=True)
+        _positive("decay_steps", self.decay_steps, allow_zero=True)
+        _positive("decay_power", self.decay_power)
+        if not 0.0 <= self.lr_end <= 1.0:
+            raise ConfigError("lr_end", f"must be a fraction in [0, 1], got {self.lr_end}")
+        if self.decay_steps and self.decay_start_step < self.warmup_steps:
+            raise ConfigError(
+                "decay_start_step",
+                f"must be >= --warmup_steps ({self.warmup_steps}), got {self.decay_start_step}",
+            )
+
+
+@dataclass
+class TrainConfig:
+    """The training loop and the process group it runs in."""
+
+    num_epochs: int = 1
+    """Passes over the training data."""
+    eval_every: int = 0
+    """Evaluate on the validation split every this many steps (0: only at the end)."""
+    log_every: int = 10
+    """Write a train record (loss, samples/s) every this many steps."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend; ``auto`` is NCCL when a GPU is present, else gloo."""
+    num_threads: int = 0
+    """CPU threads per rank; 0 divides the machine's cores among the local ranks."""
+
+    def __post_init__(self) -> None:
+        _positive("num_epochs", self.num_epochs)
+        _positive("eval_every", self.eval_every, allow_zero=True)
+        _positive("log_every", self.log_every)
+        _positive("num_threads", self.num_threads, allow_zero=True)
+
+
+@dataclass
+class OutputConfig:
+    """Where a run writes metrics and event files."""
+
+    output_dir: str = "runs/quickstart"
+    """Folder for metrics.jsonl and TensorBoard event files (written by rank 0)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files to --output_dir."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+
+    def __post_init__(self) -> None:
+        if not self.output_dir.strip():
+            raise ConfigError("output_dir", "must not be empty")
+
+
+@dataclass
+class JobConfig:
+    """Everything a training run needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    preset: str = "quickstart"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = ("model", "data", "optimizer", "train", "output")
+
+
+# ---------------------------------------------------------------------------------------
+# Presets: full configs that differ in a few fields.
+
+CRITEO_1TB_TABLE_SIZES = [
+    40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10,
+    2209, 11938, 155, 4, 976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108, 36,
+]  # fmt: skip
+
+
+def quickstart() -> JobConfig:
+    """The seed quickstart: 13 dense + 26 sparse features, 100K rows, dim 64, batch 8192."""
+    return JobConfig(preset="quickstart")
+
+
+def criteo_1tb() -> JobConfig:
+    """The seeds' train_dlrm.py flags for Criteo 1TB (tables capped at 40M rows)."""
+    return JobConfig(
+        model=ModelConfig(
+            num_embeddings_per_feature=list(CRITEO_1TB_TABLE_SIZES),
+            embedding_dim=128,
+            dense_arch_layer_sizes=[512, 256, 128],
+            over_arch_layer_sizes=[1024, 1024, 512, 256, 1],
+        ),
+        data=DataConfig(batch_size=2048),
+        optimizer=OptimizerConfig(learning_rate=1.0),
+        output=OutputConfig(output_dir="runs/criteo-1tb"),
+        preset="criteo-1tb",
+    )
+
+
+def mlperf_dcnv2() -> JobConfig:
+    """MLPerf DLRM-DCNv2: Criteo 1TB tables, dim 128, DCNv2 with 3 layers of rank 512."""
+    return JobConfig(
+        model=ModelConfig(
+            interaction="dcn",
+            num_embeddings_per_feature=list(CRITEO_1TB_TABLE_SIZES),
+            embedding_dim=128,
+            dense_arch_layer_sizes=[512, 256, 128],
+            over_arch_layer_sizes=[1024, 1024, 512, 256, 1],
+            dcn_num_layers=3,
+            dcn_low_rank_dim=512,
+        ),
+        data=DataConfig(batch_size=2048),
+        optimizer=OptimizerConfig(learning_rate=0.004),
+        output=OutputConfig(output_dir="runs/mlperf-dcnv2"),
+        preset="mlperf-dcnv2",
+    )
+
+
+PRESETS: dict[str, Callable[[], JobConfig]] = {
+    "quickstart": quickstart,
+    "criteo-1tb": criteo_1tb,
+    "mlperf-dcnv2": mlperf_dcnv2,
+}
+
+
+# ---------------------------------------------------------------------------------------
+# Flags from the tree.
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Field docstrings (the string literal after each field) of a dataclass."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    docs: dict[str, str] = {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", ",").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """Add ``--preset`` and one flag per leaf of :class:`JobConfig` (defaults: the preset's)."""
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="quickstart",
+        help="base configuration that the other flags override (default: quickstart)",
+    )
+    hints_by_section = {s: typing.get_type_hints(typing.get_type_hints(JobConfig)[s]) for s in SECTIONS}
+    for section in SECTIONS:
+        cls = typing.get_type_hints(JobConfig)[section]
+        docs = _field_docs(cls)
+        group = parser.add_argument_group(section, cls.__doc__)
+        for f in dataclasses.fields(cls):
+            tp = hints_by_section[section][f.name]
+            kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": docs.get(f.name, "")}
+            origin = typing.get_origin(tp)
+            args = typing.get_args(tp)
+            if origin in (typing.Union, types.UnionType) and type(None) in args:
+                tp = next(a for a in args if a is not type(None))
+                origin, args = typing.get_origin(tp), typing.get_args(tp)
+            if tp is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            elif origin is Literal:
+                kwargs["choices"] = list(args)
+            elif origin is list:
+                kwargs["type"] = _int_list
+                kwargs["nargs"] = "+"
+                kwargs["metavar"] = "N,N,..."
+            else:
+                kwargs["type"] = tp
+            group.add_argument(f"--{f.name}", **kwargs)
+
+
+def config_from_args(ns: argparse.Namespace) -> JobConfig:
+    """Build the preset named by ``ns.preset`` and apply the flags present in ``ns``."""
+    base = PRESETS[ns.preset]()
+    given = vars(ns)
+    sections = {}
+    for section in SECTIONS:
+        current = getattr(base, section)
+        overrides = {}
+        for f in dataclasses.fields(current):
+            if f.name in given:
+                value = given[f.name]
+                if isinstance(value, list) and value and isinstance(value[0], list):
+                    value = [x for part in value for x in part]  # nargs="+" of comma lists
+                overrides[f.name] = value
+        sections[section] = dataclasses.replace(current, **overrides)
+    return dataclasses.replace(base, **sections)
+
+
+def parse_job_config(argv: list[str]) -> JobConfig:
+    """Parse training flags (no sub-command) into a :class:`JobConfig`; for tests and tools."""
+    parser = argparse.ArgumentParser(prog="torchrec-cloud train")
+    add_config_flags(parser)
+    return config_from_args(parser.parse_args(argv))
