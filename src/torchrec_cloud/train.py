@@ -271,11 +271,11 @@ def _main(ns: argparse.Namespace) -> int:
     quiet_library_warnings()
     try:
         run(cfg)
+        # A rank that tears down while a peer is still in a collective kills the peer.
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
     finally:
         if dist.is_initialized():
-            # A rank that tears down while a peer is still in a collective kills the peer.
-            if dist.get_world_size() > 1:
-                dist.barrier()
             dist.destroy_process_group()
     return 0
 
