@@ -40,8 +40,10 @@ def generate(rows: int, seed: int = 0, vocab: int = 200, missing: float = 0.05,
     ``teacher_seed``, so files made with different ``seed`` share one signal."""
     teacher = np.random.default_rng(teacher_seed)
     id_values = teacher.integers(0, 2**32, size=(CAT_FEATURES, vocab), dtype=np.int64)
-    id_weights = teacher.normal(0.0, 0.5, size=(CAT_FEATURES, vocab))
-    dense_weights = teacher.normal(0.0, 0.4, size=INT_FEATURES)
+    # A few features carry most of the signal, as in click logs.
+    scale = 1.2 * 0.8 ** np.arange(CAT_FEATURES)
+    id_weights = teacher.normal(0.0, 1.0, size=(CAT_FEATURES, vocab)) * scale[:, None]
+    dense_weights = teacher.normal(0.0, 0.6, size=INT_FEATURES)
     rng = np.random.default_rng(seed)
     # Skewed id popularity, as in click logs.
     p = 1.0 / np.arange(1, vocab + 1) ** 0.8
