@@ -418,3 +418,38 @@ def test_preprocess_to_bucket_and_read_back(storage_root, tmp_path, capsys):
         assert torch.equal(x.dense_features, y.dense_features)
         assert torch.equal(x.sparse_features.values(), y.sparse_features.values())
         assert torch.equal(x.labels, y.labels)
+
+
+def test_parser_reads_fields_as_python_int_does():
+    """Every field the fast parser accepts has the value Python's int() gives it, and it
+    rejects exactly the fields int() (decimal) or int(x, 16) (hex) would not take as plain
+    digits; long fields (beyond 8 characters) take the general path."""
+    from torchrec_cloud.criteo import _parse_numbers, _parse_swar
+
+    rng = np.random.default_rng(0)
+    alphabet = list("0123456789abcdefABCDEF-x .g")
+    fields = ["".join(rng.choice(alphabet, size=rng.integers(0, 9))) for _ in range(3000)]
+    fields += [format(int(v), "x") for v in rng.integers(0, 2**32, 500)] + ["", "0", "-7", "-"]
+    fields += [str(int(v)) for v in rng.integers(-999, 99_999_999, 500)]
+    buf = np.frombuffer(("\t".join(fields) + "\n").encode(), np.uint8)
+    ends = np.flatnonzero((buf == 9) | (buf == 10))
+    starts = np.concatenate(([0], ends[:-1] + 1))
+    padded = np.concatenate((np.zeros(8, np.uint8), buf))
+    for base, digits in ((10, "0123456789"), (16, "0123456789abcdefABCDEF")):
+        fast = _parse_swar(padded, starts, ends, base)
+        general = _parse_numbers(buf, starts, ends, base, 15)
+        for (values, ok) in (fast, general):
+            for i, f in enumerate(fields):
+                body = f[1:] if base == 10 and f.startswith("-") else f
+                accepted = all(c in digits for c in body) and f != "-"
+                assert bool(ok[i]) == accepted, (base, f)
+                if accepted:
+                    assert values[i] == (int(f, base) if f else 0), (base, f)
+    long = ["123456789012", "ffffffffffff", "-2147483648"]
+    buf = np.frombuffer(("\t".join(long) + "\n").encode(), np.uint8)
+    ends = np.flatnonzero((buf == 9) | (buf == 10))
+    starts = np.concatenate(([0], ends[:-1] + 1))
+    padded = np.concatenate((np.zeros(8, np.uint8), buf))
+    assert _parse_swar(padded, starts, ends, 10) is None
+    values, ok = _parse_numbers(buf, starts, ends, 16, 15)
+    assert values[1] == 0xFFFFFFFFFFFF and ok[1]
