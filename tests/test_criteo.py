@@ -407,7 +407,11 @@ def test_preprocess_to_bucket_and_read_back(storage_root, tmp_path, capsys):
     args = ["--format", "kaggle", "--input", str(tsv), "--num_embeddings", "3000", "--chunk_mb", "0.1",
             "--workers", "1"]
     assert preprocess(capsys, *args, "--output", str(local))[0] == 0
-    rc, stdout, err = preprocess(capsys, *args, "--output", storage_root)
+    # Input from the bucket too: byte ranges of a plain file, and a gzip stream.
+    remote_tsv = storage.join(storage_root, "raw", "train.txt")
+    storage.write_bytes(remote_tsv, tsv.read_bytes())
+    rc, stdout, err = preprocess(capsys, *[remote_tsv if a == str(tsv) else a for a in args],
+                                 "--output", storage_root)
     assert rc == 0, err
     assert f"to {storage_root}" in stdout
     kw = dict(batch_size=128, rank=0, world_size=1, table_sizes=[3000] * 26, shuffle=True, seed=2)
@@ -418,6 +422,13 @@ def test_preprocess_to_bucket_and_read_back(storage_root, tmp_path, capsys):
         assert torch.equal(x.dense_features, y.dense_features)
         assert torch.equal(x.sparse_features.values(), y.sparse_features.values())
         assert torch.equal(x.labels, y.labels)
+    gz = storage.join(storage_root, "raw", "day_1.gz")
+    storage.write_bytes(gz, gzip.compress(tsv.read_bytes()))
+    rc, _, err = preprocess(capsys, "--format", "terabyte", "--input", remote_tsv, gz,
+                            "--output", storage.join(storage_root, "tb"), "--rows_per_shard", "500")
+    assert rc == 0, err
+    tb = json.loads(storage.read_bytes(storage.join(storage_root, "tb", "manifest.json")))
+    assert [s["rows"] for s in tb["sources"]] == [1400, 1400]
 
 
 def test_parser_reads_fields_as_python_int_does():
