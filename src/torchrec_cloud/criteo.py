@@ -582,6 +582,7 @@ class Result:
     manifest: dict
     seconds: float
     resumed_shards: int
+    already_complete: bool = False
 
 
 def _splits(dataset: str, opts: Options, shards: list[dict]) -> dict[str, list[list[int]]]:
@@ -701,18 +702,20 @@ def preprocess(opts: Options, workers: int = 0, progress: bool = True) -> Result
             )
         if storage.exists(storage.join(opts.output, MANIFEST)):
             manifest = json.loads(storage.read_bytes(storage.join(opts.output, MANIFEST)))
-            return Result(manifest, time.perf_counter() - t0, len(manifest["shards"]))
+            return Result(manifest, time.perf_counter() - t0, len(manifest["shards"]), True)
     else:
         storage.write_bytes(plan_path, json.dumps(plan, indent=1).encode())
     storage.makedirs(storage.join(opts.output, SHARD_DIR))
     tasks = plan_tasks(opts)
     workers = min(workers or os.cpu_count() or 1, len(tasks))
     try:
-        done_before = {
-            n for n in storage.listdir(storage.join(opts.output, SHARD_DIR)) if n.endswith(".done")
-        }
+        names = storage.listdir(storage.join(opts.output, SHARD_DIR))
     except storage.StorageNotFoundError:
-        done_before = set()
+        names = []
+    done_before = {n for n in names if n.endswith(".done")}
+    for n in names:
+        if n.startswith(".tmp-"):  # left by a run killed while writing a shard
+            storage.remove(storage.join(opts.output, SHARD_DIR, n))
 
     bar = None
     if progress:
@@ -822,6 +825,9 @@ def cmd_preprocess(ns: argparse.Namespace) -> int:
         print(f"torchrec-cloud data preprocess: error: {e}", file=sys.stderr)
         return 1
     m = result.manifest
+    if result.already_complete:
+        print(f"{ns.output} is already complete ({m['rows']} rows in {len(m['shards'])} shards); nothing to do")
+        return 0
     rate = m["rows"] / result.seconds if result.seconds > 0 else float("nan")
     print(
         f"wrote {m['rows']} rows in {len(m['shards'])} shards to {ns.output} "
