@@ -69,8 +69,9 @@ def reader(path: Path, batch_size: int, shuffle: bool) -> float:
     return n / (time.perf_counter() - t)
 
 
-def trainer(path: Path, batch_size: int, steps: int, tmp: Path) -> float:
-    """Samples/s of the quickstart model training on the shards (one process)."""
+def trainer(path: Path, batch_size: int, steps: int, tmp: Path) -> tuple[float, float]:
+    """Samples/s of the quickstart model training on the shards (one process), and the
+    share of step time the loop spent waiting for the next batch."""
     out = tmp / "train-run"
     env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "torchrec_cloud", "train", "--preset", "quickstart",
@@ -81,9 +82,11 @@ def trainer(path: Path, batch_size: int, steps: int, tmp: Path) -> float:
         raise SystemExit(f"trainer failed:\n{proc.stderr[-3000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r.get("event") == "train"]
-    # Skip the first window (warm-up); average the rest.
-    rates = [r["samples_per_s"] for r in train[1:steps]] or [train[-1]["samples_per_s"]]
-    return float(np.median(rates))
+    # Skip the first window (warm-up); the median of the rest.
+    window = train[1:steps] or train[-1:]
+    rate = float(np.median([r["samples_per_s"] for r in window]))
+    waits = [r["data_wait_s"] / r["step_s"] for r in window if r.get("step_s")]
+    return rate, (float(np.mean(waits)) if waits else float("nan"))
 
 
 def main() -> int:
@@ -125,10 +128,13 @@ def main() -> int:
         print(f"reader      batch {ns.batch_size}, file order          {res['reader_samples_per_s']:>12,.0f} samples/s")
         print(f"reader      batch {ns.batch_size}, --shuffle           {res['reader_shuffled_samples_per_s']:>12,.0f} samples/s")
         if ns.train_steps:
-            res["trainer_samples_per_s"] = trainer(data, ns.batch_size, ns.train_steps, tmp)
-            res["reader_over_trainer"] = res["reader_shuffled_samples_per_s"] / res["trainer_samples_per_s"]
-            print(f"trainer     quickstart model, batch {ns.batch_size}  {res['trainer_samples_per_s']:>12,.0f} samples/s"
-                  f"  (reader, shuffled, is {res['reader_over_trainer']:.1f}x)")
+            rate, wait = trainer(data, ns.batch_size, ns.train_steps, tmp)
+            res["trainer_samples_per_s"] = rate
+            res["trainer_data_wait_fraction"] = wait
+            res["reader_over_trainer"] = res["reader_shuffled_samples_per_s"] / rate
+            print(f"trainer     quickstart model, batch {ns.batch_size}  {rate:>12,.0f} samples/s"
+                  f"  (reader, shuffled, is {res['reader_over_trainer']:.1f}x; "
+                  f"{100 * wait:.1f}% of step time waiting for data)")
     if ns.json:
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in res.items()}))
     return 0

@@ -221,8 +221,12 @@ def test_skip_mode_counts_and_reports(tmp_path, capsys):
     bad = [3, 400, 401, 1100]
     _bad_file(path, "dense", bad, rows=1200)
     out = tmp_path / "o"
-    rc, stdout, err = preprocess(capsys, "--format", "kaggle", "--input", str(path), "--output", str(out),
-                                 "--on_bad_line", "skip", "--chunk_mb", "0.03")
+    args = ["--format", "kaggle", "--input", str(path), "--output", str(out), "--chunk_mb", "0.03",
+            "--workers", "1"]
+    rc, _, err = preprocess(capsys, *args)
+    assert rc == 1 and f"{path}:4: integer feature int_4" in err
+    # Rerunning as the message suggests finishes the same output.
+    rc, stdout, err = preprocess(capsys, *args, "--on_bad_line", "skip")
     assert rc == 0, err
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["skipped_lines"] == 4

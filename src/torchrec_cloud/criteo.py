@@ -393,8 +393,12 @@ class Options:
         return "int32" if sizes is not None and max(sizes) <= _INT32_MAX + 1 else "int64"
 
     def plan(self) -> dict[str, Any]:
+        """What finished shards depend on. The bad-line policy is not part of it: shards
+        committed before a run stopped at a bad line are as good for a rerun with
+        ``--on_bad_line skip``."""
         d = asdict(self)
         d.pop("output")
+        d.pop("on_bad_line")
         return {"format": FORMAT_NAME, "version": FORMAT_VERSION, **d}
 
 

@@ -286,7 +286,7 @@ class CriteoSource:
             raise storage.StorageError(
                 self.shard_urls[shard],
                 f"shard is shorter than the manifest says (rows {lo}..{hi} asked, "
-                f"{len(data) // size - 0} read); preprocess again",
+                f"{len(data) // size} read); preprocess again",
             )
         return np.frombuffer(data, dtype=self.dtype)
 
