@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
