@@ -1,0 +1,259 @@
+"""The Prometheus endpoint, scraped by a real Prometheus server during a real training run.
+
+The server is the Debian package's binary, fetched once by scripts/get-prometheus.sh into
+the virtualenv running the tests, started here on 127.0.0.1 with a temporary config and
+storage folder, and stopped after.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from torchrec_cloud.config import ConfigError, parse_job_config
+from torchrec_cloud.observability import PrometheusSink, build_sinks
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """``{(name, sorted label items): value}`` of one scrape of the endpoint."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(http_get(f"http://127.0.0.1:{port}/metrics")):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+@pytest.fixture(scope="module")
+def prometheus_bin() -> Path:
+    dest = Path(sys.prefix) / "opt" / "prometheus"
+    r = subprocess.run(
+        ["bash", str(REPO / "scripts" / "get-prometheus.sh"), str(dest)],
+        capture_output=True, text=True, timeout=600,
+    )
+    if r.returncode != 0:
+        pytest.fail(f"cannot get a Prometheus server for the tests:\n{r.stderr}")
+    return Path(r.stdout.strip().splitlines()[-1])
+
+
+class PrometheusServer:
+    """A Prometheus server on 127.0.0.1 scraping ``targets`` every second."""
+
+    def __init__(self, binary: Path, workdir: Path, targets: list[str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = workdir / "prometheus.yml"
+        config.write_text(
+            "global:\n  scrape_interval: 1s\n  scrape_timeout: 900ms\n"
+            "scrape_configs:\n  - job_name: torchrec\n    static_configs:\n"
+            f"      - targets: {json.dumps(targets)}\n"
+        )
+        self.log = open(workdir / "prometheus.log", "w")
+        self.proc = subprocess.Popen(
+            [
+                str(binary),
+                f"--config.file={config}",
+                f"--storage.tsdb.path={workdir / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+            ],
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        deadline = time.time() + 60
+        while True:
+            try:
+                if "Ready" in http_get(self.url + "/-/ready", timeout=1):
+                    break
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.stop()
+                pytest.fail(f"Prometheus did not start:\n{(workdir / 'prometheus.log').read_text()[-3000:]}")
+            time.sleep(0.2)
+
+    def samples(self, metric: str, at: float, window_s: int = 900) -> list[dict]:
+        """The raw samples of ``metric`` scraped in the ``window_s`` seconds before ``at``."""
+        q = urllib.parse.urlencode({"query": f"{metric}[{window_s}s]", "time": at})
+        body = json.loads(http_get(f"{self.url}/api/v1/query?{q}"))
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+# ---------------------------------------------------------------------------------------
+# The endpoint itself.
+
+
+def test_endpoint_exports_records_and_host_gauges(prometheus_bin: Path, tmp_path: Path) -> None:
+    port = free_port()
+    sink = PrometheusSink(port, host="127.0.0.1", rank=3, system_metrics_interval=0.2)
+    try:
+        before = scrape(port)
+        # Nothing logged yet: no training series at all (a 0 would read as a real loss).
+        assert not any(name.startswith("torchrec_train") for name, _ in before)
+        sink.log({"event": "start", "time": 1.7e9, "world_size": 4, "bayes_auc": 0.81})
+        sink.log({"event": "train", "step": 20, "loss": 0.52, "samples_per_s": 5120.0,
+                  "lr": 0.01, "world_size": 4, "data_wait_s": 0.003, "step_s": 0.05})
+        sink.log({"event": "eval", "split": "val", "step": 20, "auc": 0.74, "logloss": 0.5})
+        sink.log({"event": "checkpoint", "step": 20, "seconds": 1.25, "bytes": 4096, "path": "p"})
+        sink.log({"event": "resume", "step": 20, "seconds": 0.5, "bytes": 4096})
+        m = scrape(port)
+        text = http_get(f"http://127.0.0.1:{port}/metrics")
+    finally:
+        sink.close()
+    r = (("rank", "3"),)
+    assert m[("torchrec_train_step", r)] == 20
+    assert m[("torchrec_train_loss", r)] == 0.52
+    assert m[("torchrec_train_samples_per_second", r)] == 5120.0
+    assert m[("torchrec_learning_rate", r)] == 0.01
+    assert m[("torchrec_world_size", r)] == 4
+    assert m[("torchrec_data_bayes_auc", r)] == 0.81
+    assert m[("torchrec_train_step_phase_seconds", (("phase", "data_wait"), ("rank", "3")))] == 0.003
+    assert m[("torchrec_train_step_phase_seconds", (("phase", "total"), ("rank", "3")))] == 0.05
+    assert m[("torchrec_eval_auc", (("rank", "3"), ("split", "val")))] == 0.74
+    assert m[("torchrec_eval_logloss", (("rank", "3"), ("split", "val")))] == 0.5
+    assert m[("torchrec_checkpoint_save_seconds", r)] == 1.25
+    assert m[("torchrec_checkpoint_save_bytes", r)] == 4096
+    assert m[("torchrec_checkpoint_saves_total", r)] == 1
+    assert m[("torchrec_checkpoint_load_seconds", r)] == 0.5
+    assert m[("torchrec_host_memory_total_bytes", r)] > 2**20
+    assert 0 < m[("torchrec_host_memory_used_bytes", r)] <= m[("torchrec_host_memory_total_bytes", r)]
+    assert 0.0 <= m[("torchrec_host_cpu_utilization_ratio", r)] <= 1.0
+    assert m[("process_resident_memory_bytes", ())] > 0
+    # Prometheus's own linter accepts every name, type and help text.
+    promtool = prometheus_bin.parent / "promtool"
+    lint = subprocess.run([str(promtool), "check", "metrics"], input=text, capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    # Closed: nothing answers on the port any more.
+    with pytest.raises(OSError):
+        http_get(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+def test_each_local_rank_serves_its_own_port(tmp_path: Path) -> None:
+    base = free_port()
+    while True:  # base + 1 must be free too
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", base + 1))
+            break
+        except OSError:
+            base = free_port()
+    cfg = parse_job_config([
+        "--output_dir", str(tmp_path / "run"), "--prometheus_port", str(base),
+        "--metrics_host", "127.0.0.1",
+    ])
+    sink = build_sinks(cfg, rank=5, local_rank=1, world_size=8)
+    try:
+        sink.log({"event": "train", "step": 7, "loss": 0.6, "samples_per_s": 10.0})
+        assert scrape(base + 1)[("torchrec_train_step", (("rank", "5"),))] == 7
+    finally:
+        sink.close()
+    # A non-zero rank writes no files: metrics.jsonl and TensorBoard belong to rank 0.
+    assert not (tmp_path / "run").exists()
+
+
+def test_busy_port_is_a_flag_error() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ConfigError) as e:
+            PrometheusSink(port, host="127.0.0.1")
+    assert e.value.flag == "prometheus_port"
+    assert str(port) in str(e.value)
+
+
+@pytest.mark.parametrize("value", ["0", "65536", "-1"])
+def test_port_out_of_range_is_rejected(value: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_job_config(["--prometheus_port", value])
+    assert e.value.flag == "prometheus_port"
+    assert "1..65535" in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------
+# A real server scraping a real training run.
+
+
+def test_prometheus_scrapes_a_training_run(prometheus_bin: Path, tmp_path: Path) -> None:
+    metrics_port = free_port()
+    server = PrometheusServer(prometheus_bin, tmp_path, [f"127.0.0.1:{metrics_port}"])
+    out = tmp_path / "run"
+    try:
+        start = time.time()
+        run = subprocess.run(
+            [
+                sys.executable, "-m", "torchrec_cloud", "train",
+                "--num_embeddings", "1000", "--embedding_dim", "16",
+                "--dense_arch_layer_sizes", "32,16", "--over_arch_layer_sizes", "32,1",
+                "--batch_size", "256", "--num_batches_per_epoch", "1500", "--log_every", "25",
+                "--eval_every", "500", "--num_eval_batches", "2",
+                "--output_dir", str(out), "--no-progress",
+                "--prometheus_port", str(metrics_port), "--metrics_host", "127.0.0.1",
+                "--system_metrics_interval", "0.5",
+            ],
+            capture_output=True, text=True, timeout=600,
+            env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        end = time.time()
+        window = int(end - start) + 5
+        throughput = server.samples("torchrec_train_samples_per_second", end, window)
+        loss = server.samples("torchrec_train_loss", end, window)
+        memory = server.samples("torchrec_host_memory_used_bytes", end, window)
+        up = server.samples("up", end, window)
+    finally:
+        server.stop()
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r.get("event") == "train"]
+    assert train, "the run logged no train records"
+
+    assert len(throughput) == 1 and throughput[0]["metric"]["rank"] == "0"
+    tput = [float(v) for _, v in throughput[0]["values"]]
+    assert len(tput) >= 3, f"Prometheus stored only {len(tput)} samples/s points"
+    assert all(v > 0 for v in tput)
+
+    # Every loss Prometheus stored is one the trainer logged (no made-up or stale zero values).
+    logged = [r["loss"] for r in train]
+    stored = [float(v) for _, v in loss[0]["values"]]
+    assert len(stored) >= 3
+    for v in stored:
+        assert any(math.isclose(v, x, rel_tol=1e-9) for x in logged), (v, logged[:5])
+    # The curve moved while the run went on: the scrapes saw several different records.
+    assert len(set(stored)) >= 2
+
+    assert memory and all(float(v) > 0 for _, v in memory[0]["values"])
+    assert any(float(v) == 1.0 for _, v in up[0]["values"])
