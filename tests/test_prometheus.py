@@ -14,27 +14,13 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_server import REPO, PrometheusServer, free_port, http_get, prometheus_binary
 
 from torchrec_cloud.config import ConfigError, parse_job_config
 from torchrec_cloud.observability import PrometheusSink, build_sinks
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http_get(url: str, timeout: float = 5.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read().decode()
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
@@ -50,66 +36,7 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
 
 @pytest.fixture(scope="module")
 def prometheus_bin() -> Path:
-    dest = Path(sys.prefix) / "opt" / "prometheus"
-    r = subprocess.run(
-        ["bash", str(REPO / "scripts" / "get-prometheus.sh"), str(dest)],
-        capture_output=True, text=True, timeout=600,
-    )
-    if r.returncode != 0:
-        pytest.fail(f"cannot get a Prometheus server for the tests:\n{r.stderr}")
-    return Path(r.stdout.strip().splitlines()[-1])
-
-
-class PrometheusServer:
-    """A Prometheus server on 127.0.0.1 scraping ``targets`` every second."""
-
-    def __init__(self, binary: Path, workdir: Path, targets: list[str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = workdir / "prometheus.yml"
-        config.write_text(
-            "global:\n  scrape_interval: 1s\n  scrape_timeout: 900ms\n"
-            "scrape_configs:\n  - job_name: torchrec\n    static_configs:\n"
-            f"      - targets: {json.dumps(targets)}\n"
-        )
-        self.log = open(workdir / "prometheus.log", "w")
-        self.proc = subprocess.Popen(
-            [
-                str(binary),
-                f"--config.file={config}",
-                f"--storage.tsdb.path={workdir / 'tsdb'}",
-                f"--web.listen-address=127.0.0.1:{self.port}",
-            ],
-            stdout=self.log, stderr=subprocess.STDOUT,
-        )
-        deadline = time.time() + 60
-        while True:
-            try:
-                if "Ready" in http_get(self.url + "/-/ready", timeout=1):
-                    break
-            except OSError:
-                pass
-            if self.proc.poll() is not None or time.time() > deadline:
-                self.stop()
-                pytest.fail(f"Prometheus did not start:\n{(workdir / 'prometheus.log').read_text()[-3000:]}")
-            time.sleep(0.2)
-
-    def samples(self, metric: str, at: float, window_s: int = 900) -> list[dict]:
-        """The raw samples of ``metric`` scraped in the ``window_s`` seconds before ``at``."""
-        q = urllib.parse.urlencode({"query": f"{metric}[{window_s}s]", "time": at})
-        body = json.loads(http_get(f"{self.url}/api/v1/query?{q}"))
-        assert body["status"] == "success", body
-        return body["data"]["result"]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+    return prometheus_binary()
 
 
 # ---------------------------------------------------------------------------------------
@@ -209,7 +136,9 @@ def test_port_out_of_range_is_rejected(value: str) -> None:
 
 def test_prometheus_scrapes_a_training_run(prometheus_bin: Path, tmp_path: Path) -> None:
     metrics_port = free_port()
-    server = PrometheusServer(prometheus_bin, tmp_path, [f"127.0.0.1:{metrics_port}"])
+    server = PrometheusServer(
+        prometheus_bin, tmp_path / "prometheus", PrometheusServer.static_config([f"127.0.0.1:{metrics_port}"])
+    )
     out = tmp_path / "run"
     try:
         start = time.time()

@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -443,3 +444,82 @@ def build_sinks(
     if not sinks:
         return NullSink()
     return sinks[0] if len(sinks) == 1 else MultiSink(sinks)
+
+
+# ---------------------------------------------------------------------------------------
+# What each cloud's managed collector needs to scrape the ranks (data for the deployment).
+
+MONITORING_PROFILES = Path(__file__).with_name("monitoring_profiles.yaml.j2")
+
+
+@dataclass
+class MonitoringProfile:
+    """The pieces a rendered job needs so that one cloud's collector scrapes every rank.
+
+    ``pod_labels``, ``pod_annotations``, ``container_ports`` and ``container_args`` go into
+    the training pod template; ``manifests`` are extra Kubernetes objects to apply.
+    """
+
+    cloud: str
+    collector: str
+    docs: str
+    pod_labels: dict[str, str]
+    pod_annotations: dict[str, str]
+    container_ports: list[dict[str, Any]]
+    container_args: list[str]
+    manifests: list[dict[str, Any]]
+
+
+def monitoring_clouds() -> list[str]:
+    """Clouds with a profile in monitoring_profiles.yaml.j2."""
+    return sorted(_render_profiles("job", "default", 9400, 1, "30s")["clouds"])
+
+
+def _render_profiles(job_name: str, namespace: str, port: int, nproc_per_node: int,
+                     scrape_interval: str) -> dict[str, Any]:
+    import jinja2
+    import yaml
+
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    text = env.from_string(MONITORING_PROFILES.read_text(encoding="utf-8")).render(
+        job_name=job_name,
+        namespace=namespace,
+        port=port,
+        ranks=list(range(nproc_per_node)),
+        scrape_interval=scrape_interval,
+    )
+    return yaml.safe_load(text)
+
+
+def monitoring_profile(
+    cloud: str,
+    *,
+    job_name: str,
+    namespace: str = "default",
+    port: int = 9400,
+    nproc_per_node: int = 1,
+    scrape_interval: str = "30s",
+) -> MonitoringProfile:
+    """Render the scrape set-up of ``cloud`` for a job whose pods run ``nproc_per_node`` ranks."""
+    if not 1 <= port or port + nproc_per_node - 1 > 65535:
+        raise ConfigError(
+            "prometheus_port",
+            f"ports {port}..{port + nproc_per_node - 1} (one per local rank) must lie in 1..65535",
+        )
+    if nproc_per_node < 1:
+        raise ValueError(f"nproc_per_node must be >= 1, got {nproc_per_node}")
+    data = _render_profiles(job_name, namespace, port, nproc_per_node, scrape_interval)
+    clouds = data["clouds"]
+    if cloud not in clouds:
+        raise ValueError(f"no monitoring profile for cloud {cloud!r}; known: {', '.join(sorted(clouds))}")
+    common, entry = data["common"], clouds[cloud]
+    return MonitoringProfile(
+        cloud=cloud,
+        collector=entry["collector"],
+        docs=entry["docs"],
+        pod_labels=dict(common["pod"]["labels"]),
+        pod_annotations=dict(common["pod"]["annotations"]),
+        container_ports=list(common["container"]["ports"]),
+        container_args=[str(a) for a in common["container"]["args"]],
+        manifests=list(entry["manifests"]),
+    )
