@@ -186,3 +186,68 @@ def test_prometheus_scrapes_a_training_run(prometheus_bin: Path, tmp_path: Path)
 
     assert memory and all(float(v) > 0 for _, v in memory[0]["values"])
     assert any(float(v) == 1.0 for _, v in up[0]["values"])
+
+
+# ---------------------------------------------------------------------------------------
+# GPU gauges.
+
+
+@pytest.mark.parametrize(
+    "visible, local_rank, expected",
+    [
+        (None, 3, ("", 3)),  # a pod sees only its GPUs: cuda:r is NVML device r
+        ("4,5,6,7", 1, ("", 5)),  # CUDA renumbers the visible devices; NVML does not
+        ("GPU-1b2c,GPU-9f8e", 1, ("GPU-9f8e", None)),
+    ],
+)
+def test_each_rank_watches_its_own_gpu(monkeypatch, visible, local_rank, expected) -> None:
+    from torchrec_cloud.observability import _nvml_device_index
+
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert _nvml_device_index(local_rank, device_count=8) == expected
+
+
+def _nvml_gpu_count() -> int:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return pynvml.nvmlDeviceGetCount()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return 0
+
+
+@pytest.mark.skipif(_nvml_gpu_count() == 0, reason="needs an NVIDIA GPU (NVML)")
+def test_gpu_gauges_come_from_nvml() -> None:
+    port = free_port()
+    sink = PrometheusSink(port, host="127.0.0.1", rank=0, local_rank=0, system_metrics_interval=0.2)
+    try:
+        assert sink.has_gpu
+        time.sleep(0.5)
+        m = scrape(port)
+    finally:
+        sink.close()
+    g = (("gpu", "0"), ("rank", "0"))
+    assert m[("torchrec_gpu_memory_total_bytes", g)] > 2**30
+    assert 0 <= m[("torchrec_gpu_memory_used_bytes", g)] <= m[("torchrec_gpu_memory_total_bytes", g)]
+    assert 0.0 <= m[("torchrec_gpu_utilization_ratio", g)] <= 1.0
+
+
+def test_cpu_machine_exports_no_gpu_series() -> None:
+    if _nvml_gpu_count():
+        pytest.skip("this machine has a GPU")
+    port = free_port()
+    sink = PrometheusSink(port, host="127.0.0.1", system_metrics_interval=60)
+    try:
+        names = {name for name, _ in scrape(port)}
+    finally:
+        sink.close()
+    assert not sink.has_gpu
+    assert not any(n.startswith("torchrec_gpu_") for n in names)
+    assert "torchrec_host_cpu_utilization_ratio" in names
