@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from prometheus_server import prometheus_binary, PrometheusServer, free_port
+from observed_run import PrometheusServer, free_port, prometheus_binary
 
 from torchrec_cloud.config import ConfigError
 from torchrec_cloud.observability import PrometheusSink, monitoring_clouds, monitoring_profile

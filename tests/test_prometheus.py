@@ -7,17 +7,14 @@ storage folder, and stopped after.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from prometheus_server import REPO, PrometheusServer, free_port, http_get, prometheus_binary
+from observed_run import free_port, http_get, observed_run, prometheus_binary
 
 from torchrec_cloud.config import ConfigError, parse_job_config
 from torchrec_cloud.observability import PrometheusSink, build_sinks
@@ -134,58 +131,41 @@ def test_port_out_of_range_is_rejected(value: str) -> None:
 # A real server scraping a real training run.
 
 
-def test_prometheus_scrapes_a_training_run(prometheus_bin: Path, tmp_path: Path) -> None:
-    metrics_port = free_port()
-    server = PrometheusServer(
-        prometheus_bin, tmp_path / "prometheus", PrometheusServer.static_config([f"127.0.0.1:{metrics_port}"])
-    )
-    out = tmp_path / "run"
-    try:
-        start = time.time()
-        run = subprocess.run(
-            [
-                sys.executable, "-m", "torchrec_cloud", "train",
-                "--num_embeddings", "1000", "--embedding_dim", "16",
-                "--dense_arch_layer_sizes", "32,16", "--over_arch_layer_sizes", "32,1",
-                "--batch_size", "256", "--num_batches_per_epoch", "1500", "--log_every", "25",
-                "--eval_every", "500", "--num_eval_batches", "2",
-                "--output_dir", str(out), "--no-progress",
-                "--prometheus_port", str(metrics_port), "--metrics_host", "127.0.0.1",
-                "--system_metrics_interval", "0.5",
-            ],
-            capture_output=True, text=True, timeout=600,
-            env={**os.environ, "PYTHONPATH": str(REPO / "src")},
-        )
-        assert run.returncode == 0, run.stderr[-3000:]
-        end = time.time()
-        window = int(end - start) + 5
-        throughput = server.samples("torchrec_train_samples_per_second", end, window)
-        loss = server.samples("torchrec_train_loss", end, window)
-        memory = server.samples("torchrec_host_memory_used_bytes", end, window)
-        up = server.samples("up", end, window)
-    finally:
-        server.stop()
-
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if r.get("event") == "train"]
+def test_prometheus_scrapes_a_training_run(tmp_path_factory) -> None:
+    run = observed_run(tmp_path_factory)
+    train = [r for r in run.records if r.get("event") == "train"]
     assert train, "the run logged no train records"
 
-    assert len(throughput) == 1 and throughput[0]["metric"]["rank"] == "0"
-    tput = [float(v) for _, v in throughput[0]["values"]]
+    (throughput,) = run.samples["torchrec_train_samples_per_second"]
+    assert throughput["metric"]["rank"] == "0" and throughput["metric"]["job"] == "torchrec"
+    tput = [float(v) for _, v in throughput["values"]]
     assert len(tput) >= 3, f"Prometheus stored only {len(tput)} samples/s points"
     assert all(v > 0 for v in tput)
 
     # Every loss Prometheus stored is one the trainer logged (no made-up or stale zero values).
     logged = [r["loss"] for r in train]
-    stored = [float(v) for _, v in loss[0]["values"]]
+    (loss,) = run.samples["torchrec_train_loss"]
+    stored = [float(v) for _, v in loss["values"]]
     assert len(stored) >= 3
     for v in stored:
         assert any(math.isclose(v, x, rel_tol=1e-9) for x in logged), (v, logged[:5])
-    # The curve moved while the run went on: the scrapes saw several different records.
+    # The scrapes saw the run move on: several different records, steps going up.
     assert len(set(stored)) >= 2
+    (steps,) = run.samples["torchrec_train_step"]
+    step_values = [float(v) for _, v in steps["values"]]
+    assert step_values == sorted(step_values) and step_values[-1] > step_values[0]
 
-    assert memory and all(float(v) > 0 for _, v in memory[0]["values"])
-    assert any(float(v) == 1.0 for _, v in up[0]["values"])
+    # The evaluation at step 40 was scraped before the run ended.
+    evals = {r["metric"]["split"]: r for r in run.samples["torchrec_eval_auc"]}
+    val_auc = {r["auc"] for r in run.records if r.get("event") == "eval" and r["split"] == "val"}
+    assert any(float(v) in val_auc for _, v in evals["val"]["values"])
+
+    phases = {r["metric"]["phase"] for r in run.samples["torchrec_train_step_phase_seconds"]}
+    assert {"data_wait", "total"} <= phases
+    (memory,) = run.samples["torchrec_host_memory_used_bytes"]
+    assert all(float(v) > 0 for _, v in memory["values"])
+    (up,) = run.samples["up"]
+    assert any(float(v) == 1.0 for _, v in up["values"])
 
 
 # ---------------------------------------------------------------------------------------

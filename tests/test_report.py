@@ -3,49 +3,43 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from observed_run import observed_run
 
-REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+from torchrec_cloud.cli import main
+
 PLOTS = ("loss.png", "auc.png", "samples_per_s.png")
 
 
-def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "torchrec_cloud", *args],
-                          capture_output=True, text=True, timeout=600, env=ENV, cwd=cwd)
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    """Run ``torchrec-cloud ARGS`` in this process: (exit code, stdout, stderr)."""
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("report") / "tiny"
-    r = cli(
-        "train", "--synthetic", "planted",
-        "--num_embeddings", "1000", "--embedding_dim", "16",
-        "--dense_arch_layer_sizes", "32,16", "--over_arch_layer_sizes", "32,1",
-        "--batch_size", "256", "--num_batches_per_epoch", "120", "--log_every", "10",
-        "--eval_every", "40", "--num_eval_batches", "2", "--no-progress",
-        "--output_dir", str(out),
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out
+    """A real run's folder (the shared short run of tests/observed_run.py), copied as "tiny"."""
+    run = observed_run(tmp_path_factory)
+    copy = tmp_path_factory.mktemp("report") / "tiny"
+    shutil.copytree(run.output_dir, copy)
+    return copy
 
 
 def records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_report_writes_readable_plots_and_a_summary(run_dir: Path, tmp_path: Path) -> None:
+def test_report_writes_readable_plots_and_a_summary(run_dir: Path, tmp_path: Path, capsys) -> None:
     from PIL import Image
 
     out = tmp_path / "plots"
-    r = cli("report", str(run_dir), "--output", str(out))
-    assert r.returncode == 0, r.stderr
+    code, stdout, stderr = cli(capsys, "report", str(run_dir), "--output", str(out))
+    assert code == 0, stderr
     for name in PLOTS:
         path = out / name
         assert path.stat().st_size > 10_000, f"{name} is suspiciously small"
@@ -59,25 +53,25 @@ def test_report_writes_readable_plots_and_a_summary(run_dir: Path, tmp_path: Pat
     recs = records(run_dir)
     test_auc = next(x["auc"] for x in recs if x.get("event") == "eval" and x.get("split") == "test")
     last_train = [x for x in recs if x.get("event") == "train"][-1]
-    lines = r.stdout.splitlines()
+    lines = stdout.splitlines()
     assert len(lines) <= 24, "the summary should fit one screen"
     row = next(line for line in lines if line.startswith("tiny "))
     assert f"{test_auc:.4f}" in row
     assert f"{last_train['loss']:.3f}" in row
-    assert "finished" in r.stdout
+    assert "finished" in stdout
     for name in PLOTS:
-        assert str(out / name) in r.stdout
+        assert str(out / name) in stdout
 
 
-def test_default_output_is_next_to_the_run(run_dir: Path, tmp_path: Path) -> None:
+def test_default_output_is_next_to_the_run(run_dir: Path, tmp_path: Path, capsys) -> None:
     run = tmp_path / "copy"
     shutil.copytree(run_dir, run)
-    r = cli("report", str(run))
-    assert r.returncode == 0, r.stderr
+    code, _, stderr = cli(capsys, "report", str(run))
+    assert code == 0, stderr
     assert sorted(p.name for p in (run / "report").iterdir()) == sorted(PLOTS)
 
 
-def test_several_runs_are_overlaid(run_dir: Path, tmp_path: Path) -> None:
+def test_several_runs_are_overlaid(run_dir: Path, tmp_path: Path, capsys, monkeypatch) -> None:
     second = tmp_path / "second"
     second.mkdir()
     # A second run that is the first one with every loss halved: the summary must tell them apart.
@@ -86,47 +80,48 @@ def test_several_runs_are_overlaid(run_dir: Path, tmp_path: Path) -> None:
             if rec.get("event") == "train":
                 rec["loss"] = rec["loss"] / 2
             f.write(json.dumps(rec) + "\n")
-    r = cli("report", str(run_dir), str(second), cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    rows = {line.split()[0]: line for line in r.stdout.splitlines() if line.split()[:1] in (["tiny"], ["second"])}
+    monkeypatch.chdir(tmp_path)
+    code, stdout, stderr = cli(capsys, "report", str(run_dir), str(second))
+    assert code == 0, stderr
+    rows = {line.split()[0]: line for line in stdout.splitlines() if line.split()[:1] in (["tiny"], ["second"])}
     assert set(rows) == {"tiny", "second"}
     assert rows["tiny"] != rows["second"]
     assert all((tmp_path / "report" / name).is_file() for name in PLOTS)
 
 
-def test_folder_without_metrics_is_a_clear_error(tmp_path: Path) -> None:
-    r = cli("report", str(tmp_path))
-    assert r.returncode == 2
-    assert "no metrics.jsonl" in r.stderr and str(tmp_path) in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+def test_folder_without_metrics_is_a_clear_error(tmp_path: Path, capsys) -> None:
+    code, _, stderr = cli(capsys, "report", str(tmp_path))
+    assert code == 2
+    assert "no metrics.jsonl" in stderr and str(tmp_path) in stderr
+    assert len(stderr.strip().splitlines()) == 1
     assert not (tmp_path / "report").exists()
 
 
-def test_missing_folder_is_a_clear_error(tmp_path: Path) -> None:
-    r = cli("report", str(tmp_path / "nope"))
-    assert r.returncode == 2
-    assert "no such folder" in r.stderr
+def test_missing_folder_is_a_clear_error(tmp_path: Path, capsys) -> None:
+    code, _, stderr = cli(capsys, "report", str(tmp_path / "nope"))
+    assert code == 2
+    assert "no such folder" in stderr
 
 
-def test_run_without_records_yet_is_a_clear_error(tmp_path: Path) -> None:
+def test_run_without_records_yet_is_a_clear_error(tmp_path: Path, capsys) -> None:
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"event": "start", "world_size": 1}) + "\n")
-    r = cli("report", str(tmp_path))
-    assert r.returncode == 2
-    assert "no train or eval records" in r.stderr
+    code, _, stderr = cli(capsys, "report", str(tmp_path))
+    assert code == 2
+    assert "no train or eval records" in stderr
 
 
-def test_broken_line_is_reported_with_its_line_number(run_dir: Path, tmp_path: Path) -> None:
+def test_broken_line_is_reported_with_its_line_number(run_dir: Path, tmp_path: Path, capsys) -> None:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     lines.insert(3, '{"event": "train", "step": ')
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    r = cli("report", str(tmp_path))
-    assert r.returncode == 2
-    assert f"{tmp_path / 'metrics.jsonl'}:4:" in r.stderr
+    code, _, stderr = cli(capsys, "report", str(tmp_path))
+    assert code == 2
+    assert f"{tmp_path / 'metrics.jsonl'}:4:" in stderr
 
 
-def test_run_killed_mid_write_is_still_plotted(run_dir: Path, tmp_path: Path) -> None:
+def test_run_killed_mid_write_is_still_plotted(run_dir: Path, tmp_path: Path, capsys) -> None:
     text = (run_dir / "metrics.jsonl").read_text()
     (tmp_path / "metrics.jsonl").write_text(text + '{"event": "train", "st')
-    r = cli("report", str(tmp_path))
-    assert r.returncode == 0, r.stderr
-    assert "cut off" in r.stdout
+    code, stdout, stderr = cli(capsys, "report", str(tmp_path))
+    assert code == 0, stderr
+    assert "cut off" in stdout

@@ -1,18 +1,22 @@
-"""A real Prometheus server for tests: fetched once, started on 127.0.0.1, stopped after.
+"""Test helpers: a real Prometheus server, and one real training run it scrapes.
 
-``scripts/get-prometheus.sh`` unpacks the Debian package's binaries into the virtualenv
-running the tests (``<venv>/opt/prometheus/bin``), so the second run finds them at once.
+The server is the Debian package's binary: ``scripts/get-prometheus.sh`` unpacks it once
+into the virtualenv running the tests (``<venv>/opt/prometheus/bin``), so a second run
+finds it at once. Each server runs on 127.0.0.1 with a temporary config and TSDB and is
+stopped after its test.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
 import time
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -75,9 +79,9 @@ class PrometheusServer:
             time.sleep(0.2)
 
     @staticmethod
-    def static_config(targets: list[str], interval: str = "1s") -> str:
+    def static_config(targets: list[str], interval: str = "1s", timeout: str = "200ms") -> str:
         return (
-            f"global:\n  scrape_interval: {interval}\n  scrape_timeout: 900ms\n"
+            f"global:\n  scrape_interval: {interval}\n  scrape_timeout: {timeout}\n"
             "scrape_configs:\n  - job_name: torchrec\n    static_configs:\n"
             f"      - targets: {json.dumps(targets)}\n"
         )
@@ -106,3 +110,70 @@ class PrometheusServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# ---------------------------------------------------------------------------------------
+# One short training run, scraped by Prometheus, shared by the Prometheus, TensorBoard
+# and report tests (a trainer start costs seconds of torch/TorchRec imports and planning).
+
+
+@dataclass
+class ObservedRun:
+    output_dir: Path
+    records: list[dict]
+    start: float
+    end: float
+    samples: dict[str, list[dict]]  # metric -> Prometheus query result (raw samples)
+
+
+SCRAPED = (
+    "torchrec_train_samples_per_second",
+    "torchrec_train_loss",
+    "torchrec_train_step",
+    "torchrec_eval_auc",
+    "torchrec_host_memory_used_bytes",
+    "torchrec_train_step_phase_seconds",
+    "up",
+)
+TINY_MODEL = [
+    "--num_embeddings", "1000", "--embedding_dim", "16",
+    "--dense_arch_layer_sizes", "32,16", "--over_arch_layer_sizes", "32,1", "--batch_size", "256",
+]
+_cache: dict[str, ObservedRun] = {}
+
+
+def observed_run(tmp_path_factory) -> ObservedRun:
+    """Train 80 steps of a tiny planted-data model with ``--prometheus_port``, scraped 4x/s."""
+    if "run" in _cache:
+        return _cache["run"]
+    work = tmp_path_factory.mktemp("observed")
+    binary = prometheus_binary()
+    metrics_port = free_port()
+    out = work / "run"
+    # Scraped 4 times a second, so that a run of a few seconds on a fast machine still
+    # leaves several samples.
+    with PrometheusServer(
+        binary, work / "prometheus",
+        PrometheusServer.static_config([f"127.0.0.1:{metrics_port}"], interval="250ms"),
+    ) as server:
+        start = time.time()
+        r = subprocess.run(
+            [
+                sys.executable, "-m", "torchrec_cloud", "train", "--synthetic", "planted",
+                *TINY_MODEL,
+                "--num_batches_per_epoch", "80", "--log_every", "4", "--eval_every", "40",
+                "--num_eval_batches", "1", "--no-progress", "--output_dir", str(out),
+                "--prometheus_port", str(metrics_port), "--metrics_host", "127.0.0.1",
+                "--system_metrics_interval", "0.25",
+            ],
+            capture_output=True, text=True, timeout=600,
+            env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+        )
+        if r.returncode != 0:
+            pytest.fail(f"the training run failed:\n{r.stderr[-3000:]}")
+        end = time.time()
+        window = int(end - start) + 5
+        samples = {m: server.samples(m, end, window) for m in SCRAPED}
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    _cache["run"] = ObservedRun(out, records, start, end, samples)
+    return _cache["run"]
