@@ -310,7 +310,8 @@ class PrometheusSink(MetricsSink):
         self._train = {
             "step": gauge("train_step", "Last training step logged."),
             "samples_per_s": gauge(
-                "train_samples_per_second", "Training throughput of this rank, samples per second."
+                "train_samples_per_second",
+                "Job throughput over the last logging window (samples/s), as timed by this rank.",
             ),
             "loss": gauge("train_loss", "Training loss (mean over the logging window)."),
             "lr": gauge("learning_rate", "Learning rate of the dense optimizer."),
@@ -432,15 +433,20 @@ def build_sinks(
                 f"local rank {local_rank} would serve on port {port}, past 65535; "
                 "choose a lower port",
             )
-        sinks.append(
-            PrometheusSink(
-                port,
-                host=out.metrics_host,
-                rank=rank,
-                local_rank=local_rank,
-                system_metrics_interval=out.system_metrics_interval,
+        try:
+            sinks.append(
+                PrometheusSink(
+                    port,
+                    host=out.metrics_host,
+                    rank=rank,
+                    local_rank=local_rank,
+                    system_metrics_interval=out.system_metrics_interval,
+                )
             )
-        )
+        except Exception:
+            for sink in sinks:
+                sink.close()
+            raise
     if not sinks:
         return NullSink()
     return sinks[0] if len(sinks) == 1 else MultiSink(sinks)
