@@ -254,16 +254,22 @@ _SYSTEM_HELP = {
 
 
 def _cgroup_memory() -> dict[str, float]:
-    """The container's memory use and limit (cgroup v2), which is what the OOM killer sees."""
+    """The container's memory use and limit, which is what the OOM killer goes by."""
     out: dict[str, float] = {}
-    root = Path("/sys/fs/cgroup")
-    try:
-        out["container_memory_used_bytes"] = float((root / "memory.current").read_text())
-        limit = (root / "memory.max").read_text().strip()
-        if limit != "max":
+    # cgroup v2 (most current nodes), then v1 (e.g. Amazon Linux 2 EKS nodes).
+    for used_file, limit_file in (
+        ("/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory.max"),
+        ("/sys/fs/cgroup/memory/memory.usage_in_bytes", "/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+    ):
+        try:
+            out["container_memory_used_bytes"] = float(Path(used_file).read_text())
+            limit = Path(limit_file).read_text().strip()
+        except (OSError, ValueError):
+            continue
+        # "max" (v2) or a near-2^63 number (v1) mean no limit.
+        if limit != "max" and float(limit) < 2**60:
             out["container_memory_limit_bytes"] = float(limit)
-    except (OSError, ValueError):
-        pass  # cgroup v1 or no memory controller: the host figures still stand
+        break
     return out
 
 
