@@ -52,7 +52,7 @@ def test_every_local_rank_gets_a_scraped_port(cloud: str, nproc: int) -> None:
 
 
 def _aws_configs(nproc: int = 2) -> tuple[str, dict]:
-    p = monitoring_profile("aws", job_name="dlrm-a", namespace="ml", nproc_per_node=nproc)
+    p = monitoring_profile("aws", job_name="dlrm-a", port=9400, namespace="ml", nproc_per_node=nproc)
     maps = {m["metadata"]["name"]: m["data"] for m in p.manifests}
     return maps["prometheus-config"]["prometheus.yaml"], json.loads(maps["prometheus-cwagentconfig"]["cwagentconfig.json"])
 
@@ -167,4 +167,4 @@ def test_ports_past_65535_are_rejected() -> None:
 
 def test_unknown_cloud_names_the_known_ones() -> None:
     with pytest.raises(ValueError, match="aws, azure, gcp"):
-        monitoring_profile("oracle", job_name="j")
+        monitoring_profile("oracle", job_name="j", port=9400)

@@ -507,12 +507,13 @@ def monitoring_profile(
     cloud: str,
     *,
     job_name: str,
+    port: int,
     namespace: str = "default",
-    port: int = 9400,
     nproc_per_node: int = 1,
     scrape_interval: str = "30s",
 ) -> MonitoringProfile:
-    """Render the scrape set-up of ``cloud`` for a job whose pods run ``nproc_per_node`` ranks."""
+    """Render the scrape set-up of ``cloud`` for a job whose pods run ``nproc_per_node`` ranks
+    serving on ``port`` .. ``port + nproc_per_node - 1`` (the deployment's --prometheus_port)."""
     if not 1 <= port or port + nproc_per_node - 1 > 65535:
         raise ConfigError(
             "prometheus_port",
