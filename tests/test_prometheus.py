@@ -47,7 +47,8 @@ def test_endpoint_exports_records_and_host_gauges(prometheus_bin: Path, tmp_path
         before = scrape(port)
         # Nothing logged yet: no training series at all (a 0 would read as a real loss).
         assert not any(name.startswith("torchrec_train") for name, _ in before)
-        sink.log({"event": "start", "time": 1.7e9, "world_size": 4, "bayes_auc": 0.81})
+        started = time.time()
+        sink.log({"event": "start", "world_size": 4, "bayes_auc": 0.81})
         sink.log({"event": "train", "step": 20, "loss": 0.52, "samples_per_s": 5120.0,
                   "lr": 0.01, "world_size": 4, "data_wait_s": 0.003, "step_s": 0.05})
         sink.log({"event": "eval", "split": "val", "step": 20, "auc": 0.74, "logloss": 0.5})
@@ -64,6 +65,7 @@ def test_endpoint_exports_records_and_host_gauges(prometheus_bin: Path, tmp_path
     assert m[("torchrec_learning_rate", r)] == 0.01
     assert m[("torchrec_world_size", r)] == 4
     assert m[("torchrec_data_bayes_auc", r)] == 0.81
+    assert started <= m[("torchrec_run_start_time_seconds", r)] <= time.time()
     assert m[("torchrec_train_step_phase_seconds", (("phase", "data_wait"), ("rank", "3")))] == 0.003
     assert m[("torchrec_train_step_phase_seconds", (("phase", "total"), ("rank", "3")))] == 0.05
     assert m[("torchrec_eval_auc", (("rank", "3"), ("split", "val")))] == 0.74

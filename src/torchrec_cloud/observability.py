@@ -10,7 +10,8 @@ Rank 0 writes ``metrics.jsonl``, TensorBoard events and console lines (see
 :mod:`torchrec_cloud.metrics`). With ``--prometheus_port PORT`` *every* rank also serves
 ``http://<metrics_host>:<PORT + local rank>/metrics``, which the clusters' managed
 collectors scrape (Google Managed Prometheus, Azure Monitor managed Prometheus, the
-CloudWatch agent; their scrape configuration is data in ``monitoring_profiles.yaml``)::
+CloudWatch agent; what each needs is data in ``monitoring_profiles.yaml.j2``, rendered by
+:func:`monitoring_profile` for the deployment manifests)::
 
     torchrec-cloud train --preset quickstart --prometheus_port 9400
     curl -s localhost:9400/metrics | grep ^torchrec_
@@ -38,6 +39,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -382,11 +384,12 @@ class PrometheusSink(MetricsSink):
             self._set(self._ckpt_load_s, record.get("seconds"))
             self._set(self._ckpt_load_b, record.get("bytes"))
         elif event == "start":
-            self._set(self._start_time, record.get("time"))
+            # The trainer's records carry no time stamp (JsonlSink adds its own).
+            self._set(self._start_time, record.get("time", time.time()))
             self._set(self._train["world_size"], record.get("world_size"))
             self._set(self._bayes_auc, record.get("bayes_auc"))
         elif event == "end":
-            self._set(self._end_time, record.get("time"))
+            self._set(self._end_time, record.get("time", time.time()))
 
     def _log_train(self, record: dict[str, Any]) -> None:
         for key, g in self._train.items():
