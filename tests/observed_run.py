@@ -113,8 +113,9 @@ class PrometheusServer:
 
 
 # ---------------------------------------------------------------------------------------
-# One short training run, scraped by Prometheus, shared by the Prometheus, TensorBoard
-# and report tests (a trainer start costs seconds of torch/TorchRec imports and planning).
+# One short 2-rank training run, scraped by Prometheus, shared by the Prometheus,
+# TensorBoard and report tests (a trainer start costs seconds of torch/TorchRec imports
+# and planning).
 
 
 @dataclass
@@ -124,6 +125,7 @@ class ObservedRun:
     start: float
     end: float
     samples: dict[str, list[dict]]  # metric -> Prometheus query result (raw samples)
+    targets: list[str]  # host:port of each rank's endpoint
 
 
 SCRAPED = (
@@ -142,24 +144,39 @@ TINY_MODEL = [
 _cache: dict[str, ObservedRun] = {}
 
 
+def free_port_pair() -> int:
+    """A port P with P and P + 1 both free (the two local ranks of a run)."""
+    for _ in range(50):
+        port = free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
+
+
 def observed_run(tmp_path_factory) -> ObservedRun:
-    """Train 80 steps of a tiny planted-data model with ``--prometheus_port``, scraped 4x/s."""
+    """Train 80 steps of a tiny planted-data model on 2 ranks (torchrun, gloo) with
+    ``--prometheus_port``; a Prometheus server scrapes both ranks' endpoints 4x a second."""
     if "run" in _cache:
         return _cache["run"]
     work = tmp_path_factory.mktemp("observed")
     binary = prometheus_binary()
-    metrics_port = free_port()
+    metrics_port = free_port_pair()
     out = work / "run"
     # Scraped 4 times a second, so that a run of a few seconds on a fast machine still
     # leaves several samples.
+    targets = [f"127.0.0.1:{metrics_port}", f"127.0.0.1:{metrics_port + 1}"]
     with PrometheusServer(
-        binary, work / "prometheus",
-        PrometheusServer.static_config([f"127.0.0.1:{metrics_port}"], interval="250ms"),
+        binary, work / "prometheus", PrometheusServer.static_config(targets, interval="250ms"),
     ) as server:
         start = time.time()
         r = subprocess.run(
             [
-                sys.executable, "-m", "torchrec_cloud", "train", "--synthetic", "planted",
+                sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                "-m", "torchrec_cloud", "train", "--synthetic", "planted",
                 *TINY_MODEL,
                 "--num_batches_per_epoch", "80", "--log_every", "4", "--eval_every", "40",
                 "--num_eval_batches", "1", "--no-progress", "--output_dir", str(out),
@@ -175,5 +192,5 @@ def observed_run(tmp_path_factory) -> ObservedRun:
         window = int(end - start) + 5
         samples = {m: server.samples(m, end, window) for m in SCRAPED}
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    _cache["run"] = ObservedRun(out, records, start, end, samples)
+    _cache["run"] = ObservedRun(out, records, start, end, samples, targets)
     return _cache["run"]

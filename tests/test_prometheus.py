@@ -133,41 +133,46 @@ def test_port_out_of_range_is_rejected(value: str) -> None:
 # A real server scraping a real training run.
 
 
-def test_prometheus_scrapes_a_training_run(tmp_path_factory) -> None:
+def by_rank(result: list[dict]) -> dict[str, list[float]]:
+    return {r["metric"]["rank"]: [float(v) for _, v in r["values"]] for r in result}
+
+
+def test_prometheus_scrapes_every_rank_of_a_training_run(tmp_path_factory) -> None:
     run = observed_run(tmp_path_factory)
     train = [r for r in run.records if r.get("event") == "train"]
     assert train, "the run logged no train records"
 
-    (throughput,) = run.samples["torchrec_train_samples_per_second"]
-    assert throughput["metric"]["rank"] == "0" and throughput["metric"]["job"] == "torchrec"
-    tput = [float(v) for _, v in throughput["values"]]
-    assert len(tput) >= 3, f"Prometheus stored only {len(tput)} samples/s points"
-    assert all(v > 0 for v in tput)
+    # Both ranks served their own endpoint (PORT and PORT + 1) and both were scraped.
+    throughput = by_rank(run.samples["torchrec_train_samples_per_second"])
+    assert sorted(throughput) == ["0", "1"]
+    for rank, values in throughput.items():
+        assert len(values) >= 3, f"Prometheus stored only {len(values)} samples/s points of rank {rank}"
+        assert all(v > 0 for v in values)
+    assert {r["metric"]["instance"] for r in run.samples["up"]} == set(run.targets)
 
-    # Every loss Prometheus stored is one the trainer logged (no made-up or stale zero values).
+    # Every loss Prometheus stored for rank 0 is one the trainer logged to metrics.jsonl
+    # (no made-up or stale zero values); the loss is averaged over ranks, so rank 1
+    # reports the same values.
     logged = [r["loss"] for r in train]
-    (loss,) = run.samples["torchrec_train_loss"]
-    stored = [float(v) for _, v in loss["values"]]
-    assert len(stored) >= 3
-    for v in stored:
-        assert any(math.isclose(v, x, rel_tol=1e-9) for x in logged), (v, logged[:5])
+    loss = by_rank(run.samples["torchrec_train_loss"])
+    assert len(loss["0"]) >= 3
+    for v in loss["0"] + loss["1"]:
+        assert any(math.isclose(v, x, rel_tol=1e-6) for x in logged), (v, logged[:5])
     # The scrapes saw the run move on: several different records, steps going up.
-    assert len(set(stored)) >= 2
-    (steps,) = run.samples["torchrec_train_step"]
-    step_values = [float(v) for _, v in steps["values"]]
-    assert step_values == sorted(step_values) and step_values[-1] > step_values[0]
+    assert len(set(loss["0"])) >= 2
+    steps = by_rank(run.samples["torchrec_train_step"])["0"]
+    assert steps == sorted(steps) and steps[-1] > steps[0]
 
-    # The evaluation at step 40 was scraped before the run ended.
-    evals = {r["metric"]["split"]: r for r in run.samples["torchrec_eval_auc"]}
+    # The evaluation at step 40 or 80 was scraped before the run ended.
     val_auc = {r["auc"] for r in run.records if r.get("event") == "eval" and r["split"] == "val"}
-    assert any(float(v) in val_auc for _, v in evals["val"]["values"])
+    val_series = [r for r in run.samples["torchrec_eval_auc"] if r["metric"]["split"] == "val"]
+    assert any(math.isclose(float(v), a, rel_tol=1e-9) for r in val_series for _, v in r["values"] for a in val_auc)
 
     phases = {r["metric"]["phase"] for r in run.samples["torchrec_train_step_phase_seconds"]}
     assert {"data_wait", "total"} <= phases
-    (memory,) = run.samples["torchrec_host_memory_used_bytes"]
-    assert all(float(v) > 0 for _, v in memory["values"])
-    (up,) = run.samples["up"]
-    assert any(float(v) == 1.0 for _, v in up["values"])
+    memory = by_rank(run.samples["torchrec_host_memory_used_bytes"])
+    assert sorted(memory) == ["0", "1"] and all(v > 0 for vs in memory.values() for v in vs)
+    assert all(any(float(v) == 1.0 for _, v in r["values"]) for r in run.samples["up"])
 
 
 # ---------------------------------------------------------------------------------------
