@@ -59,6 +59,7 @@ def test_report_writes_readable_plots_and_a_summary(run_dir: Path, tmp_path: Pat
     assert f"{test_auc:.4f}" in row
     assert f"{last_train['loss']:.3f}" in row
     assert "finished" in stdout
+    assert "of step time waiting for data" in stdout
     for name in PLOTS:
         assert str(out / name) in stdout
 

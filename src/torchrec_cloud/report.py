@@ -255,7 +255,17 @@ def summarize(run: Run) -> dict[str, Any]:
                                              if isinstance(c.get("seconds"), (int, float)))
         if any(isinstance(c.get("seconds"), (int, float)) for c in run.checkpoints) else None,
         "resumes": len(run.resumes),
+        "data_wait_share": _data_wait_share(run),
     }
+
+
+def _data_wait_share(run: Run) -> Optional[float]:
+    """Fraction of step time spent waiting for input batches (over train records that say)."""
+    wait = [r["data_wait_s"] for r in run.train if isinstance(r.get("data_wait_s"), (int, float))
+            and isinstance(r.get("step_s"), (int, float)) and r["step_s"] > 0]
+    total = [r["step_s"] for r in run.train if isinstance(r.get("data_wait_s"), (int, float))
+             and isinstance(r.get("step_s"), (int, float)) and r["step_s"] > 0]
+    return sum(wait) / sum(total) if total else None
 
 
 def format_summary(runs: list[Run], plots: list[Path]) -> str:
@@ -284,6 +294,8 @@ def format_summary(runs: list[Run], plots: list[Path]) -> str:
             notes.append(f"test log loss {_fmt(r['test_logloss'])}")
         if r["bayes_auc"] is not None and r["test_auc"] is not None:
             notes.append(f"{r['bayes_auc'] - r['test_auc']:.4f} below Bayes")
+        if r["data_wait_share"] is not None:
+            notes.append(f"{r['data_wait_share']:.0%} of step time waiting for data")
         if r["checkpoints"]:
             notes.append(f"{r['checkpoints']} checkpoints (save {_fmt(r['checkpoint_save_s'], '.2f')}s avg)")
         if r["resumes"]:
@@ -329,7 +341,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "report",
         help="plot loss, AUC and samples/s of one or more runs and print a summary",
-        description=__doc__.split("\n\n")[0],
+        description="Plot loss, AUC and samples/s over steps of one or more runs (overlaid) "
+        "as PNG files, and print a one-screen summary.",
     )
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
                         help="a training run's --output_dir (or its metrics.jsonl); several are overlaid")
