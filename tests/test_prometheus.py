@@ -110,6 +110,24 @@ def test_each_local_rank_serves_its_own_port(tmp_path: Path) -> None:
     assert not (tmp_path / "run").exists()
 
 
+def test_endpoint_lingers_after_the_run_for_the_last_scrape() -> None:
+    import threading
+
+    port = free_port()
+    sink = PrometheusSink(port, host="127.0.0.1", system_metrics_interval=60, linger=1.5)
+    sink.log({"event": "eval", "split": "test", "step": 9, "auc": 0.77, "logloss": 0.5})
+    closing = threading.Thread(target=sink.close)
+    t0 = time.time()
+    closing.start()
+    time.sleep(0.3)
+    # The run is over (close was called) and the final test AUC is still served.
+    assert scrape(port)[("torchrec_eval_auc", (("rank", "0"), ("split", "test")))] == 0.77
+    closing.join(timeout=10)
+    assert time.time() - t0 >= 1.4
+    with pytest.raises(OSError):
+        http_get(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
 def test_busy_port_is_a_flag_error() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

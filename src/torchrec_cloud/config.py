@@ -229,6 +229,9 @@ class OutputConfig:
     """Address the Prometheus endpoint binds to (0.0.0.0: reachable by the cluster's collector)."""
     system_metrics_interval: float = 5.0
     """Seconds between samples of GPU (NVML) and host CPU/memory gauges for Prometheus."""
+    prometheus_linger: float = 0.0
+    """Seconds the Prometheus endpoint keeps serving after the run ends, so the collector's
+    next scrape sees the final evaluation (give at least the scrape interval)."""
 
     def __post_init__(self) -> None:
         if not self.output_dir.strip():
@@ -240,6 +243,7 @@ class OutputConfig:
         if not self.metrics_host.strip():
             raise ConfigError("metrics_host", "must not be empty (use 0.0.0.0 or 127.0.0.1)")
         _positive("system_metrics_interval", self.system_metrics_interval)
+        _positive("prometheus_linger", self.prometheus_linger, allow_zero=True)
 
 
 @dataclass

@@ -37,6 +37,7 @@ Exported series (all carry a ``rank`` label; ``docs/observability.md`` has the f
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -294,6 +295,7 @@ class PrometheusSink(MetricsSink):
         rank: int = 0,
         local_rank: int = 0,
         system_metrics_interval: float = 5.0,
+        linger: float = 0.0,
     ) -> None:
         try:
             from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
@@ -307,6 +309,7 @@ class PrometheusSink(MetricsSink):
         self.port = port
         self.host = host
         self.rank = rank
+        self.linger = linger
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
         ProcessCollector(registry=reg)
@@ -405,6 +408,10 @@ class PrometheusSink(MetricsSink):
             gauge.labels(str(self.rank)).set(value)
 
     def close(self) -> None:
+        if self.linger > 0:
+            # A batch job's last values (the test evaluation) would otherwise end with the
+            # process, before the collector's next scrape.
+            time.sleep(self.linger)
         self._system.stop()
         self._server.shutdown()
         self._server.server_close()
@@ -450,6 +457,7 @@ def build_sinks(
                     rank=rank,
                     local_rank=local_rank,
                     system_metrics_interval=out.system_metrics_interval,
+                    linger=out.prometheus_linger,
                 )
             )
         except Exception:
@@ -485,6 +493,17 @@ class MonitoringProfile:
     manifests: list[dict[str, Any]]
 
 
+def _duration_seconds(text: str) -> int:
+    """Seconds in a simple Prometheus duration ("30s", "1m", "500ms"); ValueError otherwise."""
+    import re
+
+    m = re.fullmatch(r"(\d+)(ms|s|m|h)", text.strip())
+    if not m:
+        raise ValueError(f"scrape interval must look like 30s, 1m or 500ms, got {text!r}")
+    value, unit = int(m.group(1)), m.group(2)
+    return math.ceil(value * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit])
+
+
 def monitoring_clouds() -> list[str]:
     """Clouds with a profile in monitoring_profiles.yaml.j2."""
     return sorted(_render_profiles("job", "default", 9400, 1, "30s")["clouds"])
@@ -502,6 +521,8 @@ def _render_profiles(job_name: str, namespace: str, port: int, nproc_per_node: i
         port=port,
         ranks=list(range(nproc_per_node)),
         scrape_interval=scrape_interval,
+        # Long enough for one more scrape after the run's final evaluation.
+        linger_s=_duration_seconds(scrape_interval) + 5,
     )
     return yaml.safe_load(text)
 
