@@ -24,6 +24,7 @@ from torchrec_cloud.config import ConfigError
 COMMANDS = [
     "torchrec_cloud.train",
     "torchrec_cloud.bench",
+    "torchrec_cloud.report",
 ]
 
 

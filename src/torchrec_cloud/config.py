@@ -222,10 +222,28 @@ class OutputConfig:
     """Write TensorBoard event files to --output_dir."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+    prometheus_port: Optional[int] = None
+    """Serve Prometheus metrics over HTTP: rank r listens on this port + its local rank
+    (off when not given)."""
+    metrics_host: str = "0.0.0.0"
+    """Address the Prometheus endpoint binds to (0.0.0.0: reachable by the cluster's collector)."""
+    system_metrics_interval: float = 5.0
+    """Seconds between samples of GPU (NVML) and host CPU/memory gauges for Prometheus."""
+    prometheus_linger: float = 0.0
+    """Seconds the Prometheus endpoint keeps serving after the run ends, so the collector's
+    next scrape sees the final evaluation (give at least the scrape interval)."""
 
     def __post_init__(self) -> None:
         if not self.output_dir.strip():
             raise ConfigError("output_dir", "must not be empty")
+        if self.prometheus_port is not None and not 1 <= self.prometheus_port <= 65535:
+            raise ConfigError(
+                "prometheus_port", f"must be a TCP port in 1..65535, got {self.prometheus_port}"
+            )
+        if not self.metrics_host.strip():
+            raise ConfigError("metrics_host", "must not be empty (use 0.0.0.0 or 127.0.0.1)")
+        _positive("system_metrics_interval", self.system_metrics_interval)
+        _positive("prometheus_linger", self.prometheus_linger, allow_zero=True)
 
 
 @dataclass

@@ -20,7 +20,6 @@ TensorBoard event files to ``--output_dir``.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 import warnings
 from typing import Any, Iterator, Optional
@@ -28,6 +27,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from torchrec_cloud import observability
 from torchrec_cloud.config import JobConfig, add_config_flags, config_from_args
 from torchrec_cloud.data import DataSource, SyntheticSource, build_data_source
 from torchrec_cloud.distributed import (
@@ -39,14 +39,7 @@ from torchrec_cloud.distributed import (
     shard_model,
 )
 from torchrec_cloud.evaluation import evaluate
-from torchrec_cloud.metrics import (
-    ConsoleSink,
-    JsonlSink,
-    MetricsSink,
-    MultiSink,
-    NullSink,
-    TensorBoardSink,
-)
+from torchrec_cloud.metrics import MetricsSink
 from torchrec_cloud.model import build_model
 
 
@@ -134,16 +127,13 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
 
 
 def build_sinks(cfg: JobConfig, env: Env) -> MetricsSink:
-    """Rank 0 writes metrics.jsonl, TensorBoard events and console lines; others nothing."""
-    if not env.is_main:
-        return NullSink()
+    """Rank 0 writes metrics.jsonl, TensorBoard events and console lines; with
+    --prometheus_port every rank also serves its metrics (torchrec_cloud.observability)."""
     from tqdm import tqdm
 
-    out = cfg.output.output_dir
-    sinks: list[MetricsSink] = [JsonlSink(os.path.join(out, "metrics.jsonl")), ConsoleSink(tqdm.write)]
-    if cfg.output.tensorboard:
-        sinks.append(TensorBoardSink(out))
-    return MultiSink(sinks)
+    return observability.build_sinks(
+        cfg, env.rank, env.local_rank, env.world_size, console_write=tqdm.write
+    )
 
 
 def segments(batches_per_epoch: int, eval_every: int, step: int) -> Iterator[tuple[int, int]]:
