@@ -87,9 +87,12 @@ class FlatSparseArch(SparseArch):
     def forward(self, features):  # type: ignore[override]
         pooled = self.embedding_bag_collection(features)
         # The train pipeline traces this forward only to find the sharded module's inputs;
-        # the key check is plain Python on real steps.
+        # the key check is plain Python on real steps. Sharded over several ranks, the keys
+        # come grouped by rank: reorder what was pooled (the module runs once per step).
         if not torch.fx._symbolic_trace.is_fx_tracing() and pooled.keys() != self.sparse_feature_names:
-            return super().forward(features)
+            by_name = pooled.to_dict()
+            ordered = [by_name[name] for name in self.sparse_feature_names]
+            return torch.cat(ordered, dim=1).reshape(-1, self.F, self.D)
         return pooled.values().reshape(-1, self.F, self.D)
 
 

@@ -87,10 +87,12 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
         for first, last in segments(batches_per_epoch, cfg.train.eval_every, step):
             batches = agreed_batches(source.train_batches(epoch, first), last - first, window)
             while True:
+                t0 = time.perf_counter()
                 try:
                     loss, _, _ = pipeline.progress(batches)
                 except StopIteration:
                     break
+                window.in_step += time.perf_counter() - t0
                 scheduler.step()
                 step += 1
                 window.add(loss, cfg.data.batch_size * env.world_size)
@@ -185,7 +187,8 @@ class _Window:
         self.loss_sum: Optional[torch.Tensor] = None
         self.steps = 0
         self.samples = 0
-        self.data_wait = 0.0
+        self.data_wait = 0.0  # inside next(batch iterator)
+        self.in_step = 0.0  # inside pipeline.progress(), data wait included
         self.start = time.perf_counter()
 
     def add(self, loss: torch.Tensor, samples: int) -> None:
@@ -214,6 +217,7 @@ class _Window:
             "lr": lr,
             "world_size": env.world_size,
             "data_wait_s": self.data_wait / max(self.steps, 1),
+            "fwd_bwd_opt_s": max(self.in_step - self.data_wait, 0.0) / max(self.steps, 1),
             "step_s": seconds / max(self.steps, 1),
         }
         self._reset()
