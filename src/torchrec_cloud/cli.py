@@ -24,6 +24,8 @@ from torchrec_cloud.config import ConfigError
 COMMANDS = [
     "torchrec_cloud.train",
     "torchrec_cloud.bench",
+    "torchrec_cloud.deploy.render",
+    "torchrec_cloud.deploy.submit",
 ]
 
 
