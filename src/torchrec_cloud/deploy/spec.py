@@ -37,6 +37,13 @@ class TrainFlagsError(ConfigError):
         self.flag = "--"
 
 
+class MissingExtraError(ImportError):
+    """An optional SDK that is not installed; says which extra brings it."""
+
+    def __init__(self, module: str, extra: str) -> None:
+        super().__init__(f"{module} is not installed: pip install 'torchrec-cloud[{extra}]'")
+
+
 class _TrainFlagParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         raise TrainFlagsError(message)
