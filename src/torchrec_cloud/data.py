@@ -1,0 +1,205 @@
+"""Batches for training and evaluation: the interface the loop reads, and synthetic data.
+
+The loop sees a :class:`DataSource`. Every rank must see the same number of batches (an
+unequal count hangs the embedding all-to-all), so sources guarantee that, and the loop
+still checks it (see ``train.agreed_batches``).
+
+Synthetic data is deterministic in (seed, split, global batch index) and each rank reads
+its own slice of global batches:
+
+- ``random``: ids uniform over each table, labels fair coin flips (the seeds' data; a model
+  cannot beat AUC 0.5 on it).
+- ``planted``: ids drawn from a power law, labels drawn from a fixed random *teacher*
+  (a logistic model over the same dense and sparse features). Its Bayes-optimal AUC on the
+  held-out split is known and reported, so learning is measurable.
+
+Held-out splits (``val``, ``test``) are a fixed set of global batches, independent of the
+world size: rank r evaluates global batches r, r+W, ...; ranks that run out evaluate a
+padding batch counted with zero rows, so the metric is the same on any number of ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, Protocol
+
+import torch
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_cloud.config import JobConfig
+
+SPLITS = ("train", "val", "test")
+
+
+class DataSource(Protocol):
+    """What the training loop reads. Every rank must return the same counts."""
+
+    def num_train_batches(self) -> int:
+        """Training batches per rank per epoch."""
+        ...
+
+    def train_batches(self, epoch: int, start_batch: int = 0) -> Iterator[Batch]:
+        """Training batches of ``epoch`` for this rank, from ``start_batch`` on (resume)."""
+        ...
+
+    def eval_batches(self, split: str) -> Iterator[tuple[Batch, int]]:
+        """``(batch, valid_rows)`` of a held-out split; only the first valid_rows count."""
+        ...
+
+
+def feature_names(num_sparse: int) -> list[str]:
+    return [f"cat_{i}" for i in range(num_sparse)]
+
+
+# -- Deterministic hashing: teacher weights for 40M-row tables without storing them. ----
+
+_M1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
+_M2 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_M3 = -7723592293110705685  # 0x94D049BB133111EB
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finaliser on int64 tensors (wrapping arithmetic)."""
+    x = x * _M1
+    x = x ^ (x >> 30) & 0x3FFFFFFFF
+    x = x * _M2
+    x = x ^ (x >> 27) & 0x1FFFFFFFFF
+    x = x * _M3
+    return x ^ (x >> 31) & 0x1FFFFFFFF
+
+
+def hashed_normal(keys: torch.Tensor, salt: int) -> torch.Tensor:
+    """A standard-normal float per int64 key, fixed by (key, salt)."""
+    offset = (salt * 0x632BE59BD9B4E019) % (1 << 63)
+    h = _mix(keys + offset)
+    u = ((h >> 11) & ((1 << 52) - 1)).double() / float(1 << 52)
+    u = u.clamp(1e-12, 1 - 1e-12)
+    return (torch.special.ndtri(u)).float()
+
+
+def _split_id(split: str) -> int:
+    return SPLITS.index(split)
+
+
+class Teacher:
+    """The fixed random logistic model that labels ``planted`` data.
+
+    logit = bias + dense . v + sum_f s_f * w_f[id_f], with w_f[id] ~ N(0, 1) derived by
+    hashing (table, id) and feature scales s_f decaying so some features matter more.
+    """
+
+    def __init__(self, num_dense: int, num_sparse: int, seed: int, strength: float = 1.0):
+        g = torch.Generator().manual_seed(10_007 + seed)
+        self.dense_weight = torch.randn(num_dense, generator=g) * 0.5 * strength
+        decay = torch.tensor([0.85**i for i in range(num_sparse)])
+        self.sparse_scale = decay / decay.norm() * 1.6 * strength
+        self.bias = -1.0  # about a 30% click rate, like Criteo's ~25%
+        self.seed = seed
+        self.num_sparse = num_sparse
+
+    def logits(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``dense`` [B, D] in [0, 1); ``ids`` [B, F] int64 (one id per feature)."""
+        tables = torch.arange(self.num_sparse, dtype=torch.int64)
+        keys = ids * 1024 + tables  # one key space per (table, id)
+        w = hashed_normal(keys, salt=self.seed + 1)
+        centred = dense - 0.5
+        return self.bias + centred @ self.dense_weight * 2.0 + w @ self.sparse_scale
+
+
+class SyntheticSource:
+    """Random or planted data for one rank; see the module docstring."""
+
+    def __init__(self, cfg: JobConfig, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.batch_size = cfg.data.batch_size
+        self.kind = cfg.data.synthetic
+        self.seed = cfg.data.seed
+        self.num_batches = cfg.data.num_batches_per_epoch
+        self.num_eval_batches = cfg.data.num_eval_batches
+        self.table_sizes = torch.tensor(cfg.model.table_sizes, dtype=torch.int64)
+        self.num_dense = cfg.model.num_dense_features
+        self.keys = feature_names(cfg.model.num_sparse_features)
+        self.teacher = Teacher(self.num_dense, len(self.keys), self.seed)
+
+    # The generator behind every batch: a function of (seed, split, global index) only.
+    def _features(self, split: str, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
+        key = torch.tensor([self.seed * 1_000_003 + _split_id(split) * 7_919 + index * 3])
+        g = torch.Generator().manual_seed(int(_mix(key)[0]) & 0x7FFF_FFFF_FFFF_FFFF)
+        b, f = self.batch_size, len(self.keys)
+        dense = torch.rand(b, self.num_dense, generator=g)
+        u = torch.rand(b, f, generator=g, dtype=torch.float64)
+        if self.kind == "planted":
+            # Power law over ids: popular ids carry most of the signal, as in click logs.
+            ids = (u**3 * self.table_sizes).long()
+        else:
+            ids = (u * self.table_sizes).long()
+        return dense, torch.minimum(ids, self.table_sizes - 1), g
+
+    def make_batch(self, split: str, index: int) -> Batch:
+        dense, ids, g = self._features(split, index)
+        if self.kind == "planted":
+            p = torch.sigmoid(self.teacher.logits(dense, ids))
+            labels = torch.bernoulli(p, generator=g)
+        else:
+            labels = torch.randint(0, 2, (self.batch_size,), generator=g).float()
+        return Batch(
+            dense_features=dense,
+            sparse_features=_one_hot_kjt(self.keys, ids),
+            labels=labels,
+        )
+
+    def teacher_probabilities(self, split: str, index: int) -> torch.Tensor:
+        dense, ids, _ = self._features(split, index)
+        return torch.sigmoid(self.teacher.logits(dense, ids))
+
+    def num_train_batches(self) -> int:
+        return self.num_batches
+
+    def train_batches(self, epoch: int, start_batch: int = 0) -> Iterator[Batch]:
+        for i in range(start_batch, self.num_batches):
+            global_index = (epoch * self.num_batches + i) * self.world_size + self.rank
+            yield self.make_batch("train", global_index)
+
+    def eval_batches(self, split: str) -> Iterator[tuple[Batch, int]]:
+        steps = math.ceil(self.num_eval_batches / self.world_size)
+        for k in range(steps):
+            index = k * self.world_size + self.rank
+            if index < self.num_eval_batches:
+                yield self.make_batch(split, index), self.batch_size
+            else:
+                yield self.make_batch(split, 0), 0
+
+    def bayes_auc(self, split: str = "val") -> float:
+        """AUC of the teacher's own probabilities on the whole held-out split."""
+        from torchmetrics.functional.classification import binary_auroc
+
+        probs, labels = [], []
+        for index in range(self.num_eval_batches):
+            probs.append(self.teacher_probabilities(split, index))
+            labels.append(self.make_batch(split, index).labels)
+        return float(binary_auroc(torch.cat(probs), torch.cat(labels).long()))
+
+
+def _one_hot_kjt(keys: list[str], ids: torch.Tensor) -> KeyedJaggedTensor:
+    """A KJT with one id per (feature, sample) from ``ids`` [B, F]."""
+    b, f = ids.shape
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=ids.t().contiguous().view(-1),
+        lengths=torch.ones(b * f, dtype=torch.int32),
+        stride=b,
+    )
+
+
+def build_data_source(cfg: JobConfig, rank: int, world_size: int) -> DataSource:
+    """Synthetic data, or preprocessed Criteo shards when ``--dataset_path`` is set."""
+    if cfg.data.dataset_path is not None:
+        from torchrec_cloud.config import ConfigError
+
+        raise ConfigError(
+            "dataset_path",
+            "reading preprocessed Criteo shards is not available in this version; "
+            "leave it out to train on synthetic data (--synthetic planted|random)",
+        )
+    return SyntheticSource(cfg, rank, world_size)

@@ -1,0 +1,217 @@
+"""Process group, device, sharding plan and optimizers: everything between a model and a step.
+
+One process without torchrun gets a world of one (an in-memory store, no ports); under
+torchrun the usual ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` environment
+is read. The planner is told the real topology: world size, ranks per host, the device
+and its memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.model_parallel import get_default_sharders
+from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.optim import RowWiseAdagrad
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from torchrec_cloud.config import JobConfig, OptimizerConfig
+
+
+@dataclasses.dataclass
+class Env:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def init_distributed(backend: str = "auto", num_threads: int = 0) -> Env:
+    """Join (or create) the process group and pick this rank's device and thread count."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--backend nccl needs a CUDA GPU; none is visible (use gloo)")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    # Ranks on one host share its cores: give each its share, never more than all of them.
+    threads = num_threads or max(1, _cpu_count() // local_world_size)
+    torch.set_num_threads(threads)
+    if not dist.is_initialized():
+        timeout = timedelta(seconds=int(os.environ.get("TORCHREC_CLOUD_PG_TIMEOUT_S", "1800")))
+        if world_size == 1 and "MASTER_ADDR" not in os.environ:
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
+        else:
+            dist.init_process_group(
+                backend, timeout=timeout, device_id=device if backend == "nccl" else None
+            )
+    return Env(rank, world_size, local_rank, local_world_size, device, backend)
+
+
+def _host_memory_bytes() -> int:
+    import psutil
+
+    return psutil.virtual_memory().total
+
+
+def topology(env: Env) -> Topology:
+    """The planner's view of the job: ranks, ranks per host, device kind and memory."""
+    ddr = _host_memory_bytes() // env.local_world_size
+    if env.device.type == "cuda":
+        hbm = torch.cuda.get_device_properties(env.device).total_memory
+        return Topology(
+            world_size=env.world_size,
+            compute_device="cuda",
+            local_world_size=env.local_world_size,
+            hbm_cap=hbm,
+            ddr_cap=ddr,
+        )
+    return Topology(
+        world_size=env.world_size,
+        compute_device="cpu",
+        local_world_size=env.local_world_size,
+        ddr_cap=ddr,
+    )
+
+
+def embedding_lr(cfg: OptimizerConfig) -> float:
+    return cfg.embedding_learning_rate if cfg.embedding_learning_rate is not None else cfg.learning_rate
+
+
+def shard_model(
+    model: torch.nn.Module, cfg: JobConfig, env: Env
+) -> tuple[DistributedModelParallel, ShardingPlan]:
+    """Fuse row-wise Adagrad into the tables' backward, plan with the real topology, shard."""
+    apply_optimizer_in_backward(
+        RowWiseAdagrad,
+        model.model.sparse_arch.parameters(),
+        {"lr": embedding_lr(cfg.optimizer), "eps": cfg.optimizer.eps},
+    )
+    sharders = get_default_sharders()
+    planner = EmbeddingShardingPlanner(
+        topology=topology(env), batch_size=cfg.data.batch_size, debug=False
+    )
+    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    dmp = DistributedModelParallel(
+        module=model,
+        env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
+        plan=plan,
+        sharders=sharders,
+        device=env.device,
+    )
+    return dmp, plan
+
+
+def build_optimizer(dmp: DistributedModelParallel, cfg: OptimizerConfig) -> CombinedOptimizer:
+    """The tables' fused optimizer together with Adagrad/SGD over the dense parameters."""
+    dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+    if cfg.dense_optimizer == "adagrad":
+        make = lambda params: torch.optim.Adagrad(params, lr=cfg.learning_rate, eps=cfg.eps)  # noqa: E731
+    else:
+        make = lambda params: torch.optim.SGD(params, lr=cfg.learning_rate)  # noqa: E731
+    return CombinedOptimizer([dmp.fused_optimizer, KeyedOptimizerWrapper(dense_params, make)])
+
+
+class WarmupPolyDecay:
+    """Linear warm-up to the peak, constant, then polynomial decay to ``lr_end`` x peak.
+
+    Sets ``lr`` on every param group of the combined optimizer; the fused table optimizer
+    reads its group's ``lr`` at each ``step()``.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: OptimizerConfig) -> None:
+        self.optimizer = optimizer
+        self.cfg = cfg
+        self.base_lrs = [group["lr"] for group in optimizer.param_groups]
+        self.step_count = 0
+        self._apply()
+
+    def factor(self, step: int) -> float:
+        c = self.cfg
+        if c.warmup_steps and step < c.warmup_steps:
+            return (step + 1) / c.warmup_steps
+        if c.decay_steps and step >= c.decay_start_step:
+            progress = min(1.0, (step - c.decay_start_step) / c.decay_steps)
+            return c.lr_end + (1.0 - c.lr_end) * (1.0 - progress) ** c.decay_power
+        return 1.0
+
+    def _apply(self) -> None:
+        f = self.factor(self.step_count)
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base * f
+
+    def step(self) -> None:
+        self.step_count += 1
+        self._apply()
+
+    def current_lr(self) -> float:
+        return self.base_lrs[-1] * self.factor(self.step_count)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step_count": self.step_count, "base_lrs": list(self.base_lrs)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step_count = int(state["step_count"])
+        self.base_lrs = list(state["base_lrs"])
+        self._apply()
+
+
+def plan_summary(plan: ShardingPlan) -> str:
+    """A short table of where each embedding table went."""
+    rows = []
+    for module_path, module_plan in plan.plan.items():
+        for table, ps in module_plan.items():  # type: ignore[union-attr]
+            ranks = ps.ranks if ps.ranks is not None else "all"
+            rows.append((table, ps.sharding_type, ps.compute_kernel, str(ranks)))
+    width = max((len(r[0]) for r in rows), default=5)
+    lines = [f"{'table':<{width}}  {'sharding':<12} {'kernel':<8} ranks"]
+    lines += [f"{t:<{width}}  {s:<12} {k:<8} {r}" for t, s, k, r in sorted(rows, key=_natural)]
+    return "\n".join(lines)
+
+
+def _natural(row: tuple[str, ...]) -> tuple:
+    name = row[0]
+    digits = "".join(ch for ch in name if ch.isdigit())
+    return (name.rstrip("0123456789"), int(digits) if digits else 0)
+
+
+def plan_ranks(plan: ShardingPlan) -> dict[str, list[int]]:
+    """Table name -> ranks holding it (all ranks for data-parallel tables)."""
+    out = {}
+    for module_plan in plan.plan.values():
+        for table, ps in module_plan.items():  # type: ignore[union-attr]
+            out[table] = list(ps.ranks) if ps.ranks is not None else []
+    return out
