@@ -16,6 +16,7 @@ original guide did, would start G x G trainers per node::
 from __future__ import annotations
 
 import dataclasses
+import json
 import shlex
 from typing import Any
 
@@ -75,7 +76,10 @@ def build_command_job(spec: DeploySpec, compute: str, experiment: str = "torchre
 
 def dump_job(job: Any) -> str:
     """The job as Azure ML's YAML (what ``az ml job create -f`` would take)."""
-    return yaml.safe_dump(job._to_dict(), sort_keys=False)
+    # The `command()` builder serializes as a pipeline node (no command line); the job it
+    # submits is its CommandJob form.
+    plain = json.loads(json.dumps(job._to_job()._to_dict()))  # OrderedDicts -> dicts
+    return yaml.safe_dump(plain, sort_keys=False, width=10000)
 
 
 def submit_job(job: Any, subscription_id: str, resource_group: str, workspace: str) -> Any:

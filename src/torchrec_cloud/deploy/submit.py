@@ -128,6 +128,21 @@ def submit_vertex(spec: DeploySpec, ns: argparse.Namespace) -> int:
     return 0
 
 
+def main(argv: list[str]) -> int:
+    """``submit`` alone, without the other sub-commands' imports (the cloud scripts use it)."""
+    from torchrec_cloud.cli import OneLineParser
+    from torchrec_cloud.config import ConfigError
+
+    parser = OneLineParser(prog="torchrec-cloud")
+    add_parser(parser.add_subparsers(dest="command", parser_class=OneLineParser))
+    ns = parser.parse_args(["submit", *argv])
+    try:
+        return ns.func(ns)
+    except ConfigError as e:
+        print(f"torchrec-cloud submit: error: {e}", file=sys.stderr)
+        return 2
+
+
 def run(ns: argparse.Namespace) -> int:
     spec = spec_from_args(ns)
     try:

@@ -77,6 +77,10 @@ def build_app(spec: DeploySpec) -> Any:
     script = " ".join(shlex.quote(a) for a in torchrun[:4]) + f" {endpoint} " + " ".join(
         shlex.quote(a) for a in torchrun[4:]
     )
+    # TorchX's Kubernetes scheduler adds /dev/shm itself; the shared file system is a PVC.
+    mounts = []
+    if ctx["storage"]:
+        mounts.append(specs.VolumeMount(src=ctx["storage"]["claim_name"], dst_path=ctx["storage"]["mount_path"]))
     role = specs.Role(
         name="trainer",
         image=spec.image,
@@ -87,6 +91,7 @@ def build_app(spec: DeploySpec) -> Any:
         env={e["name"]: e["value"] for e in ctx["env"]},
         port_map={"c10d": port},
         max_retries=ctx["backoff_limit"],
+        mounts=mounts,
     )
     return specs.AppDef(name=spec.name, roles=[role])
 

@@ -101,7 +101,7 @@ def build_custom_job(spec: DeploySpec, staging_bucket: Optional[str] = None) -> 
 
 
 def dump_job(job: Any) -> str:
-    return type(job).to_json(job)
+    return type(job).to_json(job, use_integers_for_enums=False)
 
 
 def submit_job(job: Any, project: str, location: str) -> Any:
