@@ -233,6 +233,18 @@ def test_vertex_rendezvous_env_from_cluster_spec():
     assert done.stdout.strip() == "0 chief-0 2222", done.stderr
 
 
+@pytest.mark.parametrize("module, blocked, extra", [("azureml", "azure.ai.ml", "azure"),
+                                                   ("vertex", "google.cloud.aiplatform_v1", "gcp")])
+def test_missing_sdk_names_the_extra(module, blocked, extra, monkeypatch):
+    from torchrec_cloud.deploy.spec import MissingExtraError
+
+    monkeypatch.setitem(sys.modules, blocked, None)  # what an uninstalled package looks like to import
+    build = {"azureml": lambda: azureml.build_command_job(DeploySpec(cloud="azure"), compute="c"),
+             "vertex": lambda: vertex.build_custom_job(DeploySpec(cloud="gcp"))}[module]
+    with pytest.raises(MissingExtraError, match=rf"pip install 'torchrec-cloud\[{extra}\]'"):
+        build()
+
+
 @pytest.mark.parametrize("script, target", [("azure/azure_ml_training.py", "azureml"),
                                             ("gcp/vertex_ai_training.py", "vertex")])
 def test_managed_service_scripts_dry_run(script, target):

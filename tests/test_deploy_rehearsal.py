@@ -6,6 +6,10 @@ index resolved from the annotation the Job controller sets), Kubernetes' $(VAR) 
 of command and args, then the command itself. The only change is the rendezvous host: pod
 0's DNS name becomes 127.0.0.1 (and the port a free one). Two torchrun agents, one process
 each, gloo on CPU; training must finish and rank 0 must write metrics.jsonl.
+
+The TrainJob gets the same treatment with the variables Kubeflow Trainer's torch plugin
+sets on each node (PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR,
+PET_MASTER_PORT), which torchrun reads as its flags.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from torchrec_cloud.deploy.manifests import load_documents, render_bundle
 from torchrec_cloud.deploy.spec import DeploySpec
@@ -57,26 +63,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_rendered_indexed_job_trains_as_two_nodes(tmp_path):
-    out = tmp_path / "run"
-    spec = DeploySpec(cloud="generic", launcher="job", nodes=2, gpus_per_node=1, name="rehearsal",
-                      train_args=[*TINY, "--output_dir", str(out)])
-    docs = load_documents(render_bundle(spec))
+def indexed_job_pods(docs: list[dict], port: int) -> list[tuple[list[str], dict[str, str]]]:
+    """(argv, env) of each pod of the Indexed Job, as the kubelet would start them."""
     job = next(d for d in docs if d["kind"] == "Job")
     svc = next(d for d in docs if d["kind"] == "Service")
     pod = job["spec"]["template"]
     (container,) = pod["spec"]["containers"]
-    rdzv_host = f"{job['metadata']['name']}-0.{pod['spec']['subdomain']}"
     assert svc["metadata"]["name"] == pod["spec"]["subdomain"]
-    port = free_port()
+    endpoint = f"{job['metadata']['name']}-0.{pod['spec']['subdomain']}:{svc['spec']['ports'][0]['port']}"
+    pods = []
+    for index in range(job["spec"]["completions"]):
+        env = pod_env(container, {"batch.kubernetes.io/job-completion-index": str(index)})
+        argv = [expand_k8s(a, env) for a in container["command"] + container["args"]]
+        assert any(endpoint in a for a in argv), "rendezvous endpoint not in the pod command"
+        pods.append(([a.replace(endpoint, f"127.0.0.1:{port}") for a in argv], env))
+    return pods
+
+
+def trainjob_pods(docs: list[dict], port: int) -> list[tuple[list[str], dict[str, str]]]:
+    """(argv, env) of each node of the TrainJob under the torch-distributed runtime."""
+    trainer = next(d for d in docs if d["kind"] == "TrainJob")["spec"]["trainer"]
+    pods = []
+    for rank in range(trainer["numNodes"]):
+        env = pod_env(trainer, {})
+        env.update(PET_NNODES=str(trainer["numNodes"]), PET_NPROC_PER_NODE=str(trainer["numProcPerNode"]),
+                   PET_NODE_RANK=str(rank), PET_MASTER_ADDR="127.0.0.1", PET_MASTER_PORT=str(port))
+        pods.append(([expand_k8s(a, env) for a in trainer["command"] + trainer["args"]], env))
+    return pods
+
+
+@pytest.mark.parametrize("launcher, pods_of", [("job", indexed_job_pods), ("trainjob", trainjob_pods)])
+def test_rendered_job_trains_as_two_nodes(launcher, pods_of, tmp_path):
+    out = tmp_path / "run"
+    spec = DeploySpec(cloud="generic", launcher=launcher, nodes=2, gpus_per_node=1, name="rehearsal",
+                      train_args=[*TINY, "--output_dir", str(out)])
+    pods = pods_of(load_documents(render_bundle(spec)), free_port())
 
     procs = []
-    for index in range(job["spec"]["completions"]):
-        annotations = {"batch.kubernetes.io/job-completion-index": str(index)}
-        env = pod_env(container, annotations)
-        argv = [expand_k8s(a, env) for a in container["command"] + container["args"]]
-        assert any(rdzv_host in a for a in argv), "rendezvous endpoint not in the pod command"
-        argv = [a.replace(f"{rdzv_host}:{svc['spec']['ports'][0]['port']}", f"127.0.0.1:{port}") for a in argv]
+    for index, (argv, env) in enumerate(pods):
         full_env = {
             **os.environ,
             **env,
