@@ -61,6 +61,7 @@ def _strict(schema):
 
 @lru_cache(maxsize=None)
 def crd_validator(api_version: str, kind: str):
+    assert SCHEMAS.is_dir(), f"CRD schemas not found at {SCHEMAS} (shared/schemas beside the repository)"
     crd = yaml.safe_load((SCHEMAS / CRD_FILES[(api_version, kind)]).read_text())
     version = api_version.split("/")[1]
     (v,) = [v for v in crd["spec"]["versions"] if v["name"] == version]

@@ -38,6 +38,14 @@ def _sdk():
     return command, PyTorchDistribution, Environment
 
 
+def _docker_size(quantity: str) -> str:
+    """Kubernetes quantity (64Gi) -> Docker size (64g), the form Azure ML's shm_size takes."""
+    for k8s, docker in (("Gi", "g"), ("Mi", "m"), ("Ki", "k")):
+        if quantity.endswith(k8s):
+            return quantity[: -len(k8s)] + docker
+    return quantity
+
+
 def torchrun_command(spec: DeploySpec, ctx: dict[str, Any]) -> str:
     """The shell command each node runs; rendezvous values come from Azure ML's variables."""
     parts = [
@@ -67,7 +75,7 @@ def build_command_job(spec: DeploySpec, compute: str, experiment: str = "torchre
         compute=compute,
         instance_count=spec.nodes,
         distribution=PyTorchDistribution(process_count_per_instance=1),
-        shm_size=spec.shm_size or ctx["profile"].shm_size.replace("Gi", "g"),
+        shm_size=_docker_size(spec.shm_size or ctx["profile"].shm_size),
         environment_variables={e["name"]: e["value"] for e in ctx["env"]},
         display_name=spec.name,
         experiment_name=experiment,

@@ -220,7 +220,7 @@ def build_context(spec: DeploySpec, profile: Optional[Profile] = None) -> dict[s
         "volumes": volumes,
         "volume_mounts": volume_mounts,
         "storage": storage,
-        "backoff_limit": spec.backoff_limit if spec.backoff_limit is not None else profile.backoff_limit,
+        "backoff_limit": spec.backoff_limit if spec.backoff_limit is not None else profile.backoff_limit * spec.nodes,
         "max_restarts": profile.max_restarts,
         "rendezvous_port": profile.rendezvous_port,
         "rendezvous_endpoint": f"{spec.name}-0.{spec.name}:{profile.rendezvous_port}",

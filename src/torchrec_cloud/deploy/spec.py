@@ -101,7 +101,7 @@ class DeploySpec:
     grace_period_s: Optional[int] = None
     """Seconds between SIGTERM and SIGKILL, for the checkpoint (default: the profile's)."""
     backoff_limit: Optional[int] = None
-    """Pod failures tolerated, preemptions excluded (default: the profile's)."""
+    """Pod failures tolerated, preemptions excluded (default: the profile's, per node)."""
     train_args: list[str] = field(default_factory=list)
     """Trainer flags, e.g. ['--batch_size', '4096']."""
 
