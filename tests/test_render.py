@@ -187,7 +187,7 @@ def test_indexed_job_wiring():
         "metadata.annotations['batch.kubernetes.io/job-completion-index']"
     )
     assert 'if [ "${JOB_COMPLETION_INDEX}" = "0" ]; then is_host=1' in script
-    assert "--rdzv_conf=is_host=${is_host}" in script
+    assert "--rdzv_conf=is_host=${is_host},join_timeout=1800,read_timeout=1800" in script
     # Checkpoint on SIGTERM: torchrun gives workers less time than the kubelet gives the pod.
     grace = spec["terminationGracePeriodSeconds"]
     assert grace >= 300 and 0 < int(flags["--shutdown_timeout"]) < grace
@@ -217,6 +217,7 @@ def test_pytorchjob_runs_torchrun_in_container_named_pytorch():
     ep = pj["spec"]["elasticPolicy"]
     assert ep["rdzvBackend"] == "c10d" and ep["minReplicas"] == ep["maxReplicas"] == 2
     assert pj["spec"]["nprocPerNode"] == "8"
+    assert {c["key"]: c["value"] for c in ep["rdzvConf"]} == {"join_timeout": "1800", "read_timeout": "1800"}
 
 
 def _runtime_container_name() -> str:
