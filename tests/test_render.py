@@ -233,6 +233,7 @@ def test_trainjob_references_torch_distributed_runtime():
     trainer = tj["spec"]["trainer"]
     assert trainer["numNodes"] == 3 and trainer["numProcPerNode"] == 8
     assert trainer["command"] == ["torchrun"]
+    assert "--rdzv_conf=timeout=1800" in trainer["args"]
     assert trainer["args"][trainer["args"].index("-m") + 1 :][:2] == ["torchrec_cloud", "train"]
     assert trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == 8
     (patch,) = tj["spec"]["runtimePatches"]

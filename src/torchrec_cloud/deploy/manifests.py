@@ -231,6 +231,12 @@ def build_context(spec: DeploySpec, profile: Optional[Profile] = None) -> dict[s
         "trainer_args": trainer_args,
         "trainer_arg_lines": _arg_lines(trainer_args),
         "operator_torchrun_args": operator_torchrun_args,
+        # The TrainJob runtime uses torchrun's static rendezvous; its store timeout defaults
+        # to 10 minutes, shorter than node 0's image pull may take.
+        "trainjob_torchrun_args": [
+            f"--rdzv_conf=timeout={profile.rendezvous_join_timeout_s}",
+            *operator_torchrun_args,
+        ],
     }
     ctx["launch_script"] = render_template("launch_job.sh.j2", **ctx).rstrip("\n")
     return ctx
