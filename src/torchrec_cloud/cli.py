@@ -25,6 +25,8 @@ COMMANDS = [
     "torchrec_cloud.train",
     "torchrec_cloud.bench",
     "torchrec_cloud.report",
+    "torchrec_cloud.deploy.render",
+    "torchrec_cloud.deploy.submit",
 ]
 
 
