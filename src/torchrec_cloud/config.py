@@ -354,6 +354,22 @@ def _int_list(text: str) -> list[int]:
         ) from None
 
 
+def flag_kwargs(tp: Any) -> dict[str, Any]:
+    """argparse keywords for a dataclass field of type ``tp`` (``Optional`` unwrapped):
+    bools get --x/--no-x, Literals choices, ``list[int]`` comma or space separated ints."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType) and type(None) in args:
+        tp = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if origin is Literal:
+        return {"choices": list(args)}
+    if origin is list:
+        return {"type": _int_list, "nargs": "+", "metavar": "N,N,..."}
+    return {"type": tp}
+
+
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """Add ``--preset`` and one flag per leaf of :class:`JobConfig` (defaults: the preset's)."""
     parser.add_argument(
@@ -369,22 +385,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group(section, cls.__doc__)
         for f in dataclasses.fields(cls):
             tp = hints_by_section[section][f.name]
-            kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": docs.get(f.name, "")}
-            origin = typing.get_origin(tp)
-            args = typing.get_args(tp)
-            if origin in (typing.Union, types.UnionType) and type(None) in args:
-                tp = next(a for a in args if a is not type(None))
-                origin, args = typing.get_origin(tp), typing.get_args(tp)
-            if tp is bool:
-                kwargs["action"] = argparse.BooleanOptionalAction
-            elif origin is Literal:
-                kwargs["choices"] = list(args)
-            elif origin is list:
-                kwargs["type"] = _int_list
-                kwargs["nargs"] = "+"
-                kwargs["metavar"] = "N,N,..."
-            else:
-                kwargs["type"] = tp
+            kwargs = {"default": argparse.SUPPRESS, "help": docs.get(f.name, ""), **flag_kwargs(tp)}
             group.add_argument(f"--{f.name}", **kwargs)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from torchrec_cloud import __version__
-from torchrec_cloud.config import PRESETS, ConfigError, add_config_flags, config_from_args
+from torchrec_cloud.config import PRESETS, ConfigError, add_config_flags, config_from_args, flag_kwargs
 
 LAUNCHERS = ("job", "pytorchjob", "trainjob")
 DEFAULT_IMAGE = f"torchrec-cloud:{__version__}"
@@ -192,18 +192,8 @@ def add_spec_flags(parser: argparse.ArgumentParser, defaults: Optional[dict] = N
         if f.name == "train_args":
             continue
         tp = hints[f.name]
-        kwargs: dict = {"help": docs.get(f.name, "")}
+        kwargs: dict = {"help": docs.get(f.name, ""), **flag_kwargs(tp)}
         default = defaults.get(f.name, f.default)
-        origin, args = typing.get_origin(tp), typing.get_args(tp)
-        if origin is typing.Union and type(None) in args:
-            tp = next(a for a in args if a is not type(None))
-            origin, args = typing.get_origin(tp), typing.get_args(tp)
-        if tp is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif origin is Literal:
-            kwargs["choices"] = list(args)
-        else:
-            kwargs["type"] = tp
         if f.name == "cloud":
             from torchrec_cloud.deploy.profiles import profile_names
 
