@@ -480,7 +480,8 @@ def test_killed_run_resumes_to_the_same_output(tmp_path, capsys):
     write_criteo_tsv(str(day0), rows=30_000, seed=4)
     day1 = tmp_path / "day_1"
     write_criteo_tsv(str(day1), rows=300, seed=5)
-    args = ["--format", "terabyte", "--input", str(day0), str(day1), "--rows_per_shard", "300",
+    # 300 small shards: the run is still busy when the third one is committed.
+    args = ["--format", "terabyte", "--input", str(day0), str(day1), "--rows_per_shard", "100",
             "--num_embeddings", "1000", "--workers", "1"]
     out = tmp_path / "killed"
     env = {**os.environ, "PYTHONPATH": str(P(__file__).resolve().parents[1] / "src")}
