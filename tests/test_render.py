@@ -42,6 +42,14 @@ CRD_FILES = {
 COLLECTOR_KINDS = {"aws": ["ConfigMap", "ConfigMap"], "azure": ["PodMonitor"], "gcp": ["PodMonitoring"], "generic": []}
 
 
+def collector_kinds(cloud: str, launcher: str) -> list[str]:
+    # A TrainJob cannot declare container ports; the CloudWatch agent's Kubernetes discovery
+    # and the AKS PodMonitor find ranks by declared port only, so nothing is rendered for them.
+    if launcher == "trainjob" and cloud in ("aws", "azure"):
+        return []
+    return COLLECTOR_KINDS[cloud]
+
+
 def _strict(schema):
     """Reject unknown fields, as the API server's strict field validation does."""
     schema = copy.deepcopy(schema)
@@ -141,7 +149,7 @@ def test_every_cloud_and_launcher_renders_valid_objects(cloud, launcher, spot):
                   train_args=["--batch_size", "4096"])
     kinds = [d["kind"] for d in docs]
     expected = {"job": ["Service", "Job"], "pytorchjob": ["PyTorchJob"], "trainjob": ["TrainJob"]}[launcher]
-    assert kinds == ["Namespace", "ServiceAccount", *expected, *COLLECTOR_KINDS[cloud]]
+    assert kinds == ["Namespace", "ServiceAccount", *expected, *collector_kinds(cloud, launcher)]
     for doc in docs:
         validate(doc)
     text = render_bundle(DeploySpec(cloud=cloud, launcher=launcher, nodes=3, gpus_per_node=8, spot=spot))
@@ -405,15 +413,13 @@ def test_collectors_scrape_the_ports_the_ranks_listen_on(cloud, launcher, gpus):
         return port if isinstance(port, int) else by_name[port]
 
     collectors = [d for d in docs if d["kind"] in ("PodMonitoring", "PodMonitor", "ConfigMap")]
-    assert [d["kind"] for d in collectors] == COLLECTOR_KINDS[cloud]
+    assert [d["kind"] for d in collectors] == collector_kinds(cloud, launcher)
     for doc in collectors:
         if doc["kind"] in ("PodMonitoring", "PodMonitor"):
             assert doc["metadata"]["namespace"] == "ml"
             assert doc["spec"]["selector"]["matchLabels"].items() <= labels.items()
             endpoints = doc["spec"].get("endpoints") or doc["spec"]["podMetricsEndpoints"]
             assert all(e["path"] == "/metrics" and _seconds(e["interval"]) < out.prometheus_linger for e in endpoints)
-            if launcher == "trainjob" and doc["kind"] == "PodMonitor":
-                continue  # names only: no per-rank scraping of a TrainJob on AKS (docs/observability.md)
             assert sorted(resolve(e["port"]) for e in endpoints) == listening
         elif doc["metadata"]["name"] == "prometheus-config":
             config = yaml.safe_load(doc["data"]["prometheus.yaml"])
@@ -424,9 +430,8 @@ def test_collectors_scrape_the_ports_the_ranks_listen_on(cloud, launcher, gpus):
             for rule in (r for r in job["relabel_configs"] if r.get("action") == "keep"):
                 (source,) = rule["source_labels"]
                 if source == "__meta_kubernetes_pod_container_port_name":
-                    if launcher != "trainjob":  # kubernetes_sd finds declared ports only
-                        kept = [by_name[n] for n in by_name if re.fullmatch(rule["regex"], n)]
-                        assert sorted(kept) == listening
+                    kept = [by_name[n] for n in by_name if re.fullmatch(rule["regex"], n)]
+                    assert sorted(kept) == listening
                 else:
                     assert re.fullmatch(rule["regex"], pod_meta[source]), rule
 
@@ -453,3 +458,17 @@ def test_monitoring_data_has_one_home():
         text = path.read_text()
         for needle in ("monitoring.googleapis.com", "azmonitoring.coreos.com", "prometheus-cwagentconfig", "metrics-{"):
             assert needle not in text, (path, needle)
+
+
+def test_more_local_ranks_than_one_podmonitoring_takes():
+    """PodMonitoring allows 10 endpoints: 12 CPU processes per pod need two objects."""
+    docs = render(cloud="gcp", launcher="job", nodes=2, gpus_per_node=0, procs_per_node=12)
+    monitors = [d for d in docs if d["kind"] == "PodMonitoring"]
+    assert len(monitors) == 2 and len({m["metadata"]["name"] for m in monitors}) == 2
+    for m in monitors:
+        validate(m)
+    _, ports, _, _ = _pod_and_trainer(docs, "job")
+    by_name = {p["name"]: p["containerPort"] for p in ports}
+    scraped = sorted(by_name[e["port"]] for m in monitors for e in m["spec"]["endpoints"])
+    port = load_profile("gcp").metrics_port
+    assert scraped == list(range(port, port + 12))

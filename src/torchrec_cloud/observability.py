@@ -481,7 +481,9 @@ class MonitoringProfile:
 
     ``pod_labels``, ``pod_annotations``, ``container_ports`` and ``container_args`` go into
     the training pod template; ``manifests`` are extra Kubernetes objects to apply, with
-    ``note`` saying what applying them does beyond the job, if anything.
+    ``note`` saying what applying them does beyond the job, if anything, and ``setup`` what
+    the cluster needs first. ``needs_declared_ports``: the collector finds ranks only through
+    declared container ports (``ports_declared=False`` then scrapes nothing).
     """
 
     cloud: str
@@ -493,6 +495,8 @@ class MonitoringProfile:
     container_args: list[str]
     manifests: list[dict[str, Any]]
     note: str = ""
+    setup: str = ""
+    needs_declared_ports: bool = False
 
 
 def _duration_seconds(text: str) -> int:
@@ -558,6 +562,13 @@ def monitoring_profile(
     if cloud not in clouds:
         raise ValueError(f"no monitoring profile for cloud {cloud!r}; known: {', '.join(sorted(clouds))}")
     common, entry = data["common"], clouds[cloud]
+    manifests, note = list(entry["manifests"]), str(entry.get("note", ""))
+    if entry.get("needs_declared_ports") and not ports_declared:
+        manifests = []
+        note = (f"{entry['collector']} finds the ranks through declared container ports, which "
+                "this pod template cannot declare, so it scrapes nothing here; the prometheus.io/* "
+                "annotations (local rank 0, for scrapers that read them) remain. A launcher whose "
+                "pods declare ports (Indexed Job, PyTorchJob) gets every rank's metrics.")
     return MonitoringProfile(
         cloud=cloud,
         collector=entry["collector"],
@@ -566,6 +577,8 @@ def monitoring_profile(
         pod_annotations=dict(common["pod"]["annotations"]),
         container_ports=list(common["container"]["ports"]),
         container_args=[str(a) for a in common["container"]["args"]],
-        manifests=list(entry["manifests"]),
-        note=str(entry.get("note", "")),
+        manifests=manifests,
+        note=note,
+        setup=str(entry.get("setup", "")),
+        needs_declared_ports=bool(entry.get("needs_declared_ports", False)),
     )
