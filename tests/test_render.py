@@ -472,3 +472,13 @@ def test_more_local_ranks_than_one_podmonitoring_takes():
     scraped = sorted(by_name[e["port"]] for m in monitors for e in m["spec"]["endpoints"])
     port = load_profile("gcp").metrics_port
     assert scraped == list(range(port, port + 12))
+
+
+def test_a_profile_naming_an_unknown_collector_says_so(tmp_path):
+    profile = tmp_path / "mine.yaml"
+    profile.write_text(yaml.safe_dump({"name": "mine", "title": "Mine", "kubernetes": "K",
+                                       "monitoring": {"profile": "nosuchcollector"}}))
+    from torchrec_cloud.deploy.profiles import ProfileError
+
+    with pytest.raises(ProfileError, match="nosuchcollector.*aws, azure, gcp, generic"):
+        render_bundle(DeploySpec(cloud=str(profile), gpus_per_node=0))

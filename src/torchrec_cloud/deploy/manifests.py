@@ -249,7 +249,6 @@ def build_context(spec: DeploySpec, profile: Optional[Profile] = None) -> dict[s
         "grace_period_s": grace,
         "metrics_port": metrics_port,
         "monitoring": monitoring,
-        "ports": ports,
         "trainer_args": trainer_args,
         "trainer_arg_lines": _arg_lines(trainer_args),
         "operator_torchrun_args": operator_torchrun_args,
@@ -265,6 +264,8 @@ def build_context(spec: DeploySpec, profile: Optional[Profile] = None) -> dict[s
 
 
 def _monitoring(spec: DeploySpec, profile: Profile, port: int, ports_declared: bool):
+    """What the profile's metrics collector needs for this job (pod metadata, ports, trainer
+    flags, objects to apply), from the one copy of that data in the observability module."""
     from torchrec_cloud.observability import monitoring_profile
 
     settings = profile.monitoring
@@ -278,12 +279,12 @@ def _monitoring(spec: DeploySpec, profile: Profile, port: int, ports_declared: b
             scrape_interval=str(settings["scrape_interval"]),
             ports_declared=ports_declared,
         )
-    except (KeyError, ValueError) as e:
-        if isinstance(e, ConfigError):
-            raise
+    except ConfigError:
+        raise  # a port range past 65535: the user's flag, named
+    except (KeyError, TypeError, ValueError) as e:
         raise ProfileError(
-            f"profile {profile.name!r}: monitoring must name a profile and a scrape_interval "
-            f"(e.g. {{profile: generic, scrape_interval: 30s}}), got {settings!r}: {e}"
+            f"profile {profile.name!r}: monitoring must be {{profile: NAME, scrape_interval: 30s}} "
+            f"with NAME an entry of monitoring_profiles.yaml.j2; got {settings!r} ({e})"
         ) from e
 
 
