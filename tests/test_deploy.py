@@ -43,6 +43,12 @@ def cli(capsys):
     return run
 
 
+def workload(docs: list[dict]) -> dict:
+    """The one Job / PyTorchJob / TrainJob of a bundle (the collector's objects follow it)."""
+    (doc,) = [d for d in docs if d["kind"] in ("Job", "PyTorchJob", "TrainJob")]
+    return doc
+
+
 def test_committed_files_match_a_fresh_render():
     stale = layout.check(ROOT)
     assert not stale, f"committed deployment files differ from the templates: {stale}; run `make render`"
@@ -79,8 +85,8 @@ def test_render_command_line_prints_multi_document_yaml():
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, timeout=300)
     assert done.returncode == 0, done.stderr
     docs = load_documents(done.stdout)
-    assert [d["kind"] for d in docs] == ["Namespace", "ServiceAccount", "Service", "Job"]
-    job = docs[-1]
+    assert [d["kind"] for d in docs] == ["Namespace", "ServiceAccount", "Service", "Job", "PodMonitoring"]
+    job = docs[3]
     assert job["spec"]["parallelism"] == 3
     assert job["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.example/t:1"
     assert "--batch_size 2048" in job["spec"]["template"]["spec"]["containers"][0]["args"][0]
@@ -91,7 +97,7 @@ def test_render_cli_writes_files(tmp_path, cli):
                "--output", str(tmp_path))
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["storage.yaml", "trainjob.yaml"]
-    assert load_documents((tmp_path / "trainjob.yaml").read_text())[-1]["kind"] == "TrainJob"
+    assert workload(load_documents((tmp_path / "trainjob.yaml").read_text()))["kind"] == "TrainJob"
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -111,7 +117,7 @@ def test_submit_dry_run_prints_what_would_be_applied(cli):
     done = cli("submit", "--target", "kubernetes", "--cloud", "azure", "--launcher", "pytorchjob", "--nodes", "2",
                "--dry-run")
     assert done.returncode == 0, done.stderr
-    assert load_documents(done.stdout)[-1]["kind"] == "PyTorchJob"
+    assert workload(load_documents(done.stdout))["kind"] == "PyTorchJob"
     assert "kubectl apply -f -" in done.stderr
 
 
@@ -138,7 +144,7 @@ def test_launch_scripts_dry_run(tmp_path):
     done = subprocess.run(["bash", str(script), "--", "--batch_size", "1024"], capture_output=True, text=True,
                           env=env, timeout=300)
     assert done.returncode == 0, done.stderr
-    tj = load_documents(done.stdout)[-1]
+    tj = workload(load_documents(done.stdout))
     assert tj["kind"] == "TrainJob" and tj["spec"]["trainer"]["numNodes"] == 3
     assert tj["spec"]["trainer"]["args"][-2:] == ["--batch_size", "1024"]
     node_selector = tj["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0][

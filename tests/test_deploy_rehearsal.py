@@ -3,9 +3,12 @@ two "nodes" on this machine.
 
 Each "pod" gets exactly what the manifest gives it: the container's env (the completion
 index resolved from the annotation the Job controller sets), Kubernetes' $(VAR) expansion
-of command and args, then the command itself. The only change is the rendezvous host: pod
-0's DNS name becomes 127.0.0.1 (and the port a free one). Two torchrun agents, one process
-each, gloo on CPU; training must finish and rank 0 must write metrics.jsonl.
+of command and args, then the command itself. The changes are those of sharing one host:
+the rendezvous host (pod 0's DNS name becomes 127.0.0.1, the port a free one) and the
+metrics port (each pod has its own network namespace in Kubernetes; here each gets a free
+port instead of --prometheus_port, bound to 127.0.0.1, lingering 2 s). Two torchrun
+agents, one process each, gloo on CPU; training must finish, rank 0 must write
+metrics.jsonl, and every pod's metrics endpoint must have served the training series.
 
 The TrainJob gets the same treatment with the variables Kubeflow Trainer's torch plugin
 sets on each node (PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR,
@@ -20,6 +23,8 @@ import re
 import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -92,6 +97,33 @@ def trainjob_pods(docs: list[dict], port: int) -> list[tuple[list[str], dict[str
     return pods
 
 
+def own_metrics_port(argv: list[str]) -> tuple[list[str], int]:
+    """The pod's argv with its metrics endpoint moved to a free port on 127.0.0.1 (flags as
+    separate words, or inside the Indexed Job's shell script)."""
+    port = free_port()
+    values = {"--prometheus_port": f"{port} --metrics_host 127.0.0.1", "--prometheus_linger": "2"}
+    out, found = [], set()
+    for i, arg in enumerate(argv):
+        if i and argv[i - 1] in values:
+            out += values[argv[i - 1]].split()
+            found.add(argv[i - 1])
+            continue
+        for flag, value in values.items():
+            arg, n = re.subn(rf"{flag} \d+", f"{flag} {value}", arg)
+            found |= {flag} if n else set()
+        out.append(arg)
+    assert found == set(values), f"pod command lacks {set(values) - found}"
+    return out, port
+
+
+def scrape(port: int) -> str:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+            return r.read().decode()
+    except OSError:
+        return ""
+
+
 @pytest.mark.parametrize("launcher, pods_of", [("job", indexed_job_pods), ("trainjob", trainjob_pods)])
 def test_rendered_job_trains_as_two_nodes(launcher, pods_of, tmp_path):
     out = tmp_path / "run"
@@ -99,8 +131,10 @@ def test_rendered_job_trains_as_two_nodes(launcher, pods_of, tmp_path):
                       train_args=[*TINY, "--output_dir", str(out)])
     pods = pods_of(load_documents(render_bundle(spec)), free_port())
 
-    procs = []
+    procs, metrics_ports = [], []
     for index, (argv, env) in enumerate(pods):
+        argv, metrics_port = own_metrics_port(argv)
+        metrics_ports.append(metrics_port)
         full_env = {
             **os.environ,
             **env,
@@ -111,8 +145,14 @@ def test_rendered_job_trains_as_two_nodes(launcher, pods_of, tmp_path):
         }
         log = open(tmp_path / f"pod-{index}.log", "w")
         procs.append((subprocess.Popen(argv, env=full_env, stdout=log, stderr=subprocess.STDOUT), log))
+    served = [False] * len(procs)
     try:
-        codes = [p.wait(timeout=600) for p, _ in procs]
+        deadline = time.time() + 600
+        while any(p.poll() is None for p, _ in procs) and time.time() < deadline:
+            for i, port in enumerate(metrics_ports):
+                served[i] = served[i] or "\ntorchrec_train_step{" in scrape(port)
+            time.sleep(0.3)
+        codes = [p.wait(timeout=max(1.0, deadline - time.time())) for p, _ in procs]
     finally:
         for p, log in procs:
             if p.poll() is None:
@@ -120,6 +160,7 @@ def test_rendered_job_trains_as_two_nodes(launcher, pods_of, tmp_path):
             log.close()
     logs = "\n".join(f"--- pod {i}\n{(tmp_path / f'pod-{i}.log').read_text()[-3000:]}" for i in range(len(procs)))
     assert codes == [0, 0], logs
+    assert served == [True, True], f"metrics endpoints that never served torchrec_train_step: {served}\n{logs}"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["event"] == "start" and records[0]["world_size"] == 2, records[0]
     assert any(r.get("split") == "test" and r.get("auc") is not None for r in records), logs

@@ -25,8 +25,19 @@ from torchrec_cloud.observability import PrometheusSink, monitoring_clouds, moni
 PORT_NAME = re.compile(r"^(?=.*[a-z])[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?$")
 
 
-def test_three_clouds_have_profiles() -> None:
-    assert monitoring_clouds() == ["aws", "azure", "gcp"]
+def test_three_clouds_and_any_cluster_have_profiles() -> None:
+    assert monitoring_clouds() == ["aws", "azure", "gcp", "generic"]
+    # Any cluster: the conventional annotations and ports, no collector objects to apply.
+    p = monitoring_profile("generic", job_name="j", port=29600, nproc_per_node=2)
+    assert p.manifests == [] and p.pod_annotations["prometheus.io/scrape"] == "true"
+    assert [c["containerPort"] for c in p.container_ports] == [29600, 29601]
+
+
+def test_undeclared_ports_are_scraped_by_number_where_the_collector_allows() -> None:
+    """A TrainJob pod cannot declare container ports: Managed Prometheus gets numbers."""
+    p = monitoring_profile("gcp", job_name="j", port=29600, nproc_per_node=3, ports_declared=False)
+    (monitor,) = p.manifests
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == [29600, 29601, 29602]
 
 
 @pytest.mark.parametrize("cloud", ["aws", "azure", "gcp"])

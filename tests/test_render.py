@@ -2,7 +2,8 @@
 
 Core kinds are checked with kubernetes-validate (strict: unknown fields fail) for the
 oldest and newest Kubernetes we target; PyTorchJob and TrainJob with jsonschema against
-the openAPIV3Schema of their CRDs in shared/schemas/, made strict the same way.
+the openAPIV3Schema of their CRDs in shared/schemas/, the collectors' PodMonitoring and
+PodMonitor against theirs in tests/schemas/, made strict the same way.
 """
 
 from __future__ import annotations
@@ -30,10 +31,23 @@ if not SCHEMAS.is_dir():  # a worktree beside /work/shared
     SCHEMAS = Path("/work/shared/schemas")
 K8S_VERSIONS = ["1.31", kubernetes_validate.utils.latest_version()]
 CLOUDS = profile_names()
+LOCAL_SCHEMAS = ROOT / "tests" / "schemas"
 CRD_FILES = {
-    ("kubeflow.org/v1", "PyTorchJob"): "kubeflow.org_pytorchjobs.yaml",
-    ("trainer.kubeflow.org/v1alpha1", "TrainJob"): "trainer.kubeflow.org_trainjobs.yaml",
+    ("kubeflow.org/v1", "PyTorchJob"): SCHEMAS / "kubeflow.org_pytorchjobs.yaml",
+    ("trainer.kubeflow.org/v1alpha1", "TrainJob"): SCHEMAS / "trainer.kubeflow.org_trainjobs.yaml",
+    ("monitoring.googleapis.com/v1", "PodMonitoring"): LOCAL_SCHEMAS / "monitoring.googleapis.com_podmonitorings.yaml",
+    ("azmonitoring.coreos.com/v1", "PodMonitor"): LOCAL_SCHEMAS / "azmonitoring.coreos.com_podmonitors.yaml",
 }
+# What each cloud's collector needs beside the pod metadata (monitoring_profiles.yaml.j2).
+COLLECTOR_KINDS = {"aws": ["ConfigMap", "ConfigMap"], "azure": ["PodMonitor"], "gcp": ["PodMonitoring"], "generic": []}
+
+
+def collector_kinds(cloud: str, launcher: str) -> list[str]:
+    # A TrainJob cannot declare container ports; the CloudWatch agent's Kubernetes discovery
+    # and the AKS PodMonitor find ranks by declared port only, so nothing is rendered for them.
+    if launcher == "trainjob" and cloud in ("aws", "azure"):
+        return []
+    return COLLECTOR_KINDS[cloud]
 
 
 def _strict(schema):
@@ -62,7 +76,7 @@ def _strict(schema):
 @lru_cache(maxsize=None)
 def crd_validator(api_version: str, kind: str):
     assert SCHEMAS.is_dir(), f"CRD schemas not found at {SCHEMAS} (shared/schemas beside the repository)"
-    crd = yaml.safe_load((SCHEMAS / CRD_FILES[(api_version, kind)]).read_text())
+    crd = yaml.safe_load(CRD_FILES[(api_version, kind)].read_text())
     version = api_version.split("/")[1]
     (v,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
     schema = _strict(v["schema"]["openAPIV3Schema"])
@@ -107,6 +121,15 @@ def test_validators_reject_what_the_api_server_rejects():
     tj["spec"]["trainer"]["numNodes"] = "two"
     with pytest.raises(AssertionError, match="numNodes"):
         validate(tj)
+    pm = by_kind(render(cloud="gcp", launcher="job", nodes=2, gpus_per_node=1), "PodMonitoring")
+    del pm["spec"]["endpoints"][0]["interval"]
+    pm["spec"]["endpoints"][0]["pth"] = "/metrics"
+    with pytest.raises(AssertionError, match="interval(.|\n)*pth|pth(.|\n)*interval"):
+        validate(pm)
+    pmon = by_kind(render(cloud="azure", launcher="job", nodes=2, gpus_per_node=1), "PodMonitor")
+    pmon["spec"]["podMetricsEndpoints"][0]["interval"] = "30 seconds"
+    with pytest.raises(AssertionError, match="interval"):
+        validate(pmon)
 
 
 def render(**kw) -> list[dict]:
@@ -126,7 +149,7 @@ def test_every_cloud_and_launcher_renders_valid_objects(cloud, launcher, spot):
                   train_args=["--batch_size", "4096"])
     kinds = [d["kind"] for d in docs]
     expected = {"job": ["Service", "Job"], "pytorchjob": ["PyTorchJob"], "trainjob": ["TrainJob"]}[launcher]
-    assert kinds == ["Namespace", "ServiceAccount", *expected]
+    assert kinds == ["Namespace", "ServiceAccount", *expected, *collector_kinds(cloud, launcher)]
     for doc in docs:
         validate(doc)
     text = render_bundle(DeploySpec(cloud=cloud, launcher=launcher, nodes=3, gpus_per_node=8, spot=spot))
@@ -326,3 +349,136 @@ def test_bad_options_name_the_flag(kw, flag):
 def test_unknown_training_flag_is_rejected():
     with pytest.raises(TrainFlagsError, match="--no_such_flag"):
         render_bundle(DeploySpec(train_args=["--no_such_flag", "1"]))
+
+
+def _pod_and_trainer(docs: list[dict], launcher: str) -> tuple[dict, list[dict], list[str], int]:
+    """(pod template, declared container ports, `torchrec-cloud train` flags, processes per
+    pod) of a bundle, read from where each launcher keeps them."""
+    if launcher == "job":
+        pod = by_kind(docs, "Job")["spec"]["template"]
+        (c,) = pod["spec"]["containers"]
+        words = shlex.split(c["args"][0].split("exec ", 1)[1].replace("\\\n", " "))
+        nproc = int(next(w for w in words if w.startswith("--nproc_per_node=")).split("=", 1)[1])
+        return pod, c.get("ports", []), words[words.index("train") + 1 :], nproc
+    if launcher == "pytorchjob":
+        pj = by_kind(docs, "PyTorchJob")
+        pod = pj["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+        (c,) = pod["spec"]["containers"]
+        return pod, c.get("ports", []), c["args"][c["args"].index("train") + 1 :], int(pj["spec"]["nprocPerNode"])
+    tj = by_kind(docs, "TrainJob")
+    (rj,) = tj["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    pod = rj["template"]["spec"]["template"]
+    (c,) = pod["spec"]["containers"]
+    args = tj["spec"]["trainer"]["args"]
+    return pod, c.get("ports", []), args[args.index("train") + 1 :], tj["spec"]["trainer"]["numProcPerNode"]
+
+
+def _seconds(duration: str) -> int:
+    value, unit = re.fullmatch(r"(\d+)(s|m)", duration).groups()
+    return int(value) * (60 if unit == "m" else 1)
+
+
+@pytest.mark.parametrize("cloud", CLOUDS)
+@pytest.mark.parametrize("launcher", list(LAUNCHER_TEMPLATES))
+@pytest.mark.parametrize("gpus", [1, 8])
+def test_collectors_scrape_the_ports_the_ranks_listen_on(cloud, launcher, gpus):
+    """Rank r of a pod serves on --prometheus_port + r (the trainer's rule): the declared
+    container ports, the scrape annotations and the collector's objects must name exactly
+    those ports, select these pods, and scrape before the endpoint goes away."""
+    from torchrec_cloud.config import config_from_args
+    from torchrec_cloud.deploy.spec import _trainer_parser
+
+    docs = render(cloud=cloud, launcher=launcher, nodes=2, gpus_per_node=gpus, name="dlrm-a", namespace="ml")
+    pod, ports, trainer_args, nproc = _pod_and_trainer(docs, launcher)
+    assert nproc == gpus
+    assert trainer_args.count("--prometheus_port") == 1 and trainer_args.count("--prometheus_linger") == 1
+    out = config_from_args(_trainer_parser().parse_args(trainer_args)).output
+    listening = [out.prometheus_port + r for r in range(nproc)]
+    assert out.metrics_host == "0.0.0.0"  # reachable from the collector, not only inside the pod
+
+    labels, annotations = pod["metadata"]["labels"], pod["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == str(listening[0])
+    by_name = {p["name"]: p["containerPort"] for p in ports}
+    metrics_names = sorted(n for n in by_name if n.startswith("metrics-"))
+    if launcher == "trainjob":
+        # The TrainJob API cannot declare container ports (runtime patches take env, name,
+        # securityContext, volumeMounts only); collectors that take numbers get numbers.
+        assert ports == []
+    else:
+        assert sorted(by_name[n] for n in metrics_names) == listening
+        assert len(set(by_name.values())) == len(by_name)  # no clash with the rendezvous port
+
+    def resolve(port) -> int:
+        return port if isinstance(port, int) else by_name[port]
+
+    collectors = [d for d in docs if d["kind"] in ("PodMonitoring", "PodMonitor", "ConfigMap")]
+    assert [d["kind"] for d in collectors] == collector_kinds(cloud, launcher)
+    for doc in collectors:
+        if doc["kind"] in ("PodMonitoring", "PodMonitor"):
+            assert doc["metadata"]["namespace"] == "ml"
+            assert doc["spec"]["selector"]["matchLabels"].items() <= labels.items()
+            endpoints = doc["spec"].get("endpoints") or doc["spec"]["podMetricsEndpoints"]
+            assert all(e["path"] == "/metrics" and _seconds(e["interval"]) < out.prometheus_linger for e in endpoints)
+            assert sorted(resolve(e["port"]) for e in endpoints) == listening
+        elif doc["metadata"]["name"] == "prometheus-config":
+            config = yaml.safe_load(doc["data"]["prometheus.yaml"])
+            assert _seconds(config["global"]["scrape_interval"]) < out.prometheus_linger
+            (job,) = config["scrape_configs"]
+            assert job["kubernetes_sd_configs"][0]["namespaces"]["names"] == ["ml"]
+            pod_meta = {f"__meta_kubernetes_pod_label_{re.sub(r'[^a-zA-Z0-9_]', '_', k)}": v for k, v in labels.items()}
+            for rule in (r for r in job["relabel_configs"] if r.get("action") == "keep"):
+                (source,) = rule["source_labels"]
+                if source == "__meta_kubernetes_pod_container_port_name":
+                    kept = [by_name[n] for n in by_name if re.fullmatch(rule["regex"], n)]
+                    assert sorted(kept) == listening
+                else:
+                    assert re.fullmatch(rule["regex"], pod_meta[source]), rule
+
+
+def test_a_prometheus_port_among_the_training_flags_moves_every_scrape_target():
+    docs = render(cloud="gcp", launcher="job", nodes=2, gpus_per_node=2, train_args=["--prometheus_port", "31000"])
+    pod, ports, trainer_args, _ = _pod_and_trainer(docs, "job")
+    assert trainer_args.count("--prometheus_port") == 1
+    assert trainer_args[trainer_args.index("--prometheus_port") + 1] == "31000"
+    assert [p["containerPort"] for p in ports if p["name"].startswith("metrics-")] == [31000, 31001]
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "31000"
+
+
+def test_monitoring_data_has_one_home():
+    """The per-cloud scrape data lives in monitoring_profiles.yaml.j2 only: the deployment
+    profiles name an entry of it, and no deploy file spells a collector's API."""
+    from torchrec_cloud.observability import monitoring_clouds
+
+    for cloud in CLOUDS:
+        assert load_profile(cloud).monitoring["profile"] in monitoring_clouds()
+    deploy = ROOT / "src/torchrec_cloud/deploy"
+    templates = [p for p in deploy.glob("templates/*.j2") if not p.name.startswith("README")]  # docs may cite them
+    for path in [*deploy.glob("*.py"), *deploy.glob("profiles/*.yaml"), *templates]:
+        text = path.read_text()
+        for needle in ("monitoring.googleapis.com", "azmonitoring.coreos.com", "prometheus-cwagentconfig", "metrics-{"):
+            assert needle not in text, (path, needle)
+
+
+def test_more_local_ranks_than_one_podmonitoring_takes():
+    """PodMonitoring allows 10 endpoints: 12 CPU processes per pod need two objects."""
+    docs = render(cloud="gcp", launcher="job", nodes=2, gpus_per_node=0, procs_per_node=12)
+    monitors = [d for d in docs if d["kind"] == "PodMonitoring"]
+    assert len(monitors) == 2 and len({m["metadata"]["name"] for m in monitors}) == 2
+    for m in monitors:
+        validate(m)
+    _, ports, _, _ = _pod_and_trainer(docs, "job")
+    by_name = {p["name"]: p["containerPort"] for p in ports}
+    scraped = sorted(by_name[e["port"]] for m in monitors for e in m["spec"]["endpoints"])
+    port = load_profile("gcp").metrics_port
+    assert scraped == list(range(port, port + 12))
+
+
+def test_a_profile_naming_an_unknown_collector_says_so(tmp_path):
+    profile = tmp_path / "mine.yaml"
+    profile.write_text(yaml.safe_dump({"name": "mine", "title": "Mine", "kubernetes": "K",
+                                       "monitoring": {"profile": "nosuchcollector"}}))
+    from torchrec_cloud.deploy.profiles import ProfileError
+
+    with pytest.raises(ProfileError, match="nosuchcollector.*aws, azure, gcp, generic"):
+        render_bundle(DeploySpec(cloud=str(profile), gpus_per_node=0))

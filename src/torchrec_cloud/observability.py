@@ -13,8 +13,8 @@ collectors scrape (Google Managed Prometheus, Azure Monitor managed Prometheus, 
 CloudWatch agent; what each needs is data in ``monitoring_profiles.yaml.j2``, rendered by
 :func:`monitoring_profile` for the deployment manifests)::
 
-    torchrec-cloud train --preset quickstart --prometheus_port 9400
-    curl -s localhost:9400/metrics | grep ^torchrec_
+    torchrec-cloud train --preset quickstart --prometheus_port 29600
+    curl -s localhost:29600/metrics | grep ^torchrec_
 
 Exported series (all carry a ``rank`` label; ``docs/observability.md`` has the full table):
 
@@ -480,7 +480,10 @@ class MonitoringProfile:
     """The pieces a rendered job needs so that one cloud's collector scrapes every rank.
 
     ``pod_labels``, ``pod_annotations``, ``container_ports`` and ``container_args`` go into
-    the training pod template; ``manifests`` are extra Kubernetes objects to apply.
+    the training pod template; ``manifests`` are extra Kubernetes objects to apply, with
+    ``note`` saying what applying them does beyond the job, if anything, and ``setup`` what
+    the cluster needs first. ``needs_declared_ports``: the collector finds ranks only through
+    declared container ports (``ports_declared=False`` then scrapes nothing).
     """
 
     cloud: str
@@ -491,6 +494,9 @@ class MonitoringProfile:
     container_ports: list[dict[str, Any]]
     container_args: list[str]
     manifests: list[dict[str, Any]]
+    note: str = ""
+    setup: str = ""
+    needs_declared_ports: bool = False
 
 
 def _duration_seconds(text: str) -> int:
@@ -506,11 +512,11 @@ def _duration_seconds(text: str) -> int:
 
 def monitoring_clouds() -> list[str]:
     """Clouds with a profile in monitoring_profiles.yaml.j2."""
-    return sorted(_render_profiles("job", "default", 9400, 1, "30s")["clouds"])
+    return sorted(_render_profiles("job", "default", 29600, 1, "30s", True)["clouds"])
 
 
 def _render_profiles(job_name: str, namespace: str, port: int, nproc_per_node: int,
-                     scrape_interval: str) -> dict[str, Any]:
+                     scrape_interval: str, ports_declared: bool) -> dict[str, Any]:
     import jinja2
     import yaml
 
@@ -523,6 +529,7 @@ def _render_profiles(job_name: str, namespace: str, port: int, nproc_per_node: i
         scrape_interval=scrape_interval,
         # Long enough for one more scrape after the run's final evaluation.
         linger_s=_duration_seconds(scrape_interval) + 5,
+        ports_declared=ports_declared,
     )
     return yaml.safe_load(text)
 
@@ -535,9 +542,14 @@ def monitoring_profile(
     namespace: str = "default",
     nproc_per_node: int = 1,
     scrape_interval: str = "30s",
+    ports_declared: bool = True,
 ) -> MonitoringProfile:
     """Render the scrape set-up of ``cloud`` for a job whose pods run ``nproc_per_node`` ranks
-    serving on ``port`` .. ``port + nproc_per_node - 1`` (the deployment's --prometheus_port)."""
+    serving on ``port`` .. ``port + nproc_per_node - 1`` (the deployment's --prometheus_port).
+
+    ``ports_declared=False`` is for pod templates that cannot carry ``container_ports``
+    (a Kubeflow TrainJob): collectors that accept port numbers are given numbers instead.
+    """
     if not 1 <= port or port + nproc_per_node - 1 > 65535:
         raise ConfigError(
             "prometheus_port",
@@ -545,11 +557,18 @@ def monitoring_profile(
         )
     if nproc_per_node < 1:
         raise ValueError(f"nproc_per_node must be >= 1, got {nproc_per_node}")
-    data = _render_profiles(job_name, namespace, port, nproc_per_node, scrape_interval)
+    data = _render_profiles(job_name, namespace, port, nproc_per_node, scrape_interval, ports_declared)
     clouds = data["clouds"]
     if cloud not in clouds:
         raise ValueError(f"no monitoring profile for cloud {cloud!r}; known: {', '.join(sorted(clouds))}")
     common, entry = data["common"], clouds[cloud]
+    manifests, note = list(entry["manifests"]), str(entry.get("note", ""))
+    if entry.get("needs_declared_ports") and not ports_declared:
+        manifests = []
+        note = (f"{entry['collector']} finds the ranks through declared container ports, which "
+                "this pod template cannot declare, so it scrapes nothing here; the prometheus.io/* "
+                "annotations (local rank 0, for scrapers that read them) remain. A launcher whose "
+                "pods declare ports (Indexed Job, PyTorchJob) gets every rank's metrics.")
     return MonitoringProfile(
         cloud=cloud,
         collector=entry["collector"],
@@ -558,5 +577,8 @@ def monitoring_profile(
         pod_annotations=dict(common["pod"]["annotations"]),
         container_ports=list(common["container"]["ports"]),
         container_args=[str(a) for a in common["container"]["args"]],
-        manifests=list(entry["manifests"]),
+        manifests=manifests,
+        note=note,
+        setup=str(entry.get("setup", "")),
+        needs_declared_ports=bool(entry.get("needs_declared_ports", False)),
     )

@@ -60,7 +60,7 @@ def torchrun_command(spec: DeploySpec, ctx: dict[str, Any]) -> str:
         "torchrec_cloud",
         "train",
     ]
-    args = spec.trainer_args(OUTPUT_ROOT, None)
+    args = spec.trainer_args(OUTPUT_ROOT)
     return " ".join(parts) + " " + " ".join(shlex.quote(a) for a in args)
 
 

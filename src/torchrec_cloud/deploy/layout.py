@@ -23,7 +23,13 @@ from typing import Any
 import yaml
 
 from torchrec_cloud import __version__
-from torchrec_cloud.deploy.manifests import SERVICE_ACCOUNT, render_bundle, render_storage, render_template
+from torchrec_cloud.deploy.manifests import (
+    SERVICE_ACCOUNT,
+    build_context,
+    render_bundle,
+    render_storage,
+    render_template,
+)
 from torchrec_cloud.deploy.profiles import Profile, load_profile, profile_names
 from torchrec_cloud.deploy.spec import DeploySpec
 
@@ -108,6 +114,7 @@ def cloud_files(profile: Profile, root: Path = REPO_ROOT) -> dict[str, str]:
         {"name": c["node_groups"]["spot"], "instance": instance, "spot": True, "desired": 0, "max": 4},
     ]
     common = dict(generated_note=NOTE, profile=profile, c=c, instance=instance, gpus=instance.gpus,
+                  monitoring=build_context(spec, profile)["monitoring"],
                   image=spec.image, namespace=spec.namespace, service_account=SERVICE_ACCOUNT,
                   dataset_dir=(profile.storage or {}).get("dataset_dir", ""), version=__version__,
                   node_groups=groups, stack=read_stack(root))

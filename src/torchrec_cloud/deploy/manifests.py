@@ -8,6 +8,10 @@
     pytorchjob  Namespace, ServiceAccount, Kubeflow v1 PyTorchJob
     trainjob    Namespace, ServiceAccount, Kubeflow Trainer v2 TrainJob
 
+followed by the objects the cluster's metrics collector needs (the profile's ``monitoring``
+key picks them from :func:`torchrec_cloud.observability.monitoring_profile`, which also
+gives the pod labels, annotations, metrics container ports and trainer flags)::
+
     text = render_bundle(DeploySpec(cloud="generic", nodes=2, gpus_per_node=8))
     docs = list(yaml.safe_load_all(text))
 """
@@ -22,7 +26,7 @@ import jinja2
 import yaml
 
 from torchrec_cloud.config import ConfigError
-from torchrec_cloud.deploy.profiles import Profile, load_profile
+from torchrec_cloud.deploy.profiles import Profile, ProfileError, load_profile
 from torchrec_cloud.deploy.spec import DeploySpec
 
 LAUNCHER_TEMPLATES = {
@@ -30,14 +34,29 @@ LAUNCHER_TEMPLATES = {
     "pytorchjob": ["namespace.yaml.j2", "serviceaccount.yaml.j2", "pytorchjob.yaml.j2"],
     "trainjob": ["namespace.yaml.j2", "serviceaccount.yaml.j2", "trainjob.yaml.j2"],
 }
+# A TrainJob's runtime patches cannot add container ports (its CRD allows only env, name,
+# securityContext and volumeMounts there), so its metrics ports stay undeclared.
+LAUNCHERS_WITHOUT_CONTAINER_PORTS = {"trainjob"}
 SERVICE_ACCOUNT = "torchrec-trainer"
 JOB_LABEL = "torchrec-cloud/job"
 # Where the trainer writes metrics.jsonl when no shared file system is mounted.
 LOCAL_OUTPUT_ROOT = "/workspace/runs"
 
 
+class _BlockDumper(yaml.SafeDumper):
+    """Multi-line strings (config files inside ConfigMaps) as readable ``|`` blocks."""
+
+
+def _str_block(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_BlockDumper.add_representer(str, _str_block)
+
+
 def _dump(value: Any) -> str:
-    return yaml.safe_dump(value, default_flow_style=False, sort_keys=False, width=1000).rstrip("\n")
+    return yaml.dump(value, Dumper=_BlockDumper, default_flow_style=False, sort_keys=False, width=1000).rstrip("\n")
 
 
 def _nindent(value: Any, indent: int) -> str:
@@ -101,7 +120,11 @@ def build_context(spec: DeploySpec, profile: Optional[Profile] = None) -> dict[s
     selector = {JOB_LABEL: spec.name}
     labels = {**common_labels, "app.kubernetes.io/instance": spec.name, **selector}
     identity = profile.identity or {}
-    pod_labels = {**labels, **identity.get("pod_labels", {}), **profile.pod_labels}
+    metrics_port = spec.user_prometheus_port() or profile.metrics_port
+    ports_declared = spec.launcher not in LAUNCHERS_WITHOUT_CONTAINER_PORTS
+    monitoring = _monitoring(spec, profile, metrics_port, ports_declared)
+    pod_labels = {**labels, **identity.get("pod_labels", {}), **monitoring.pod_labels, **profile.pod_labels}
+    pod_annotations = {**monitoring.pod_annotations, **profile.pod_annotations}
 
     node_selector = dict(profile.node_selector)
     tolerations = list(profile.tolerations)
@@ -161,10 +184,7 @@ def build_context(spec: DeploySpec, profile: Optional[Profile] = None) -> dict[s
     if limits:
         resources["limits"] = limits
 
-    metrics_port = profile.metrics_port
-    ports = [
-        {"name": f"metrics-{r}", "containerPort": metrics_port + r, "protocol": "TCP"} for r in range(spec.procs)
-    ]
+    ports = list(monitoring.container_ports) if ports_declared else []
     if spec.launcher == "job":
         # The operators pick their own rendezvous ports; the Indexed Job uses this one.
         ports.append({"name": "rendezvous", "containerPort": profile.rendezvous_port, "protocol": "TCP"})
@@ -177,7 +197,7 @@ def build_context(spec: DeploySpec, profile: Optional[Profile] = None) -> dict[s
     container_spec["securityContext"] = container_security
     container_spec["volumeMounts"] = volume_mounts
 
-    trainer_args = spec.trainer_args(output_root, metrics_port)
+    trainer_args = spec.trainer_args(output_root, monitoring.container_args)
     shutdown_timeout = max(grace - profile.shutdown_margin_s, 10)
     operator_torchrun_args = [
         f"--max_restarts={profile.max_restarts}",
@@ -208,7 +228,7 @@ def build_context(spec: DeploySpec, profile: Optional[Profile] = None) -> dict[s
         "labels": labels,
         "selector": selector,
         "pod_labels": pod_labels,
-        "pod_annotations": dict(profile.pod_annotations),
+        "pod_annotations": pod_annotations,
         "service_account": SERVICE_ACCOUNT,
         "service_account_annotations": sa_annotations,
         "identity_note": identity_note,
@@ -228,6 +248,7 @@ def build_context(spec: DeploySpec, profile: Optional[Profile] = None) -> dict[s
         "shutdown_timeout_s": shutdown_timeout,
         "grace_period_s": grace,
         "metrics_port": metrics_port,
+        "monitoring": monitoring,
         "trainer_args": trainer_args,
         "trainer_arg_lines": _arg_lines(trainer_args),
         "operator_torchrun_args": operator_torchrun_args,
@@ -242,11 +263,39 @@ def build_context(spec: DeploySpec, profile: Optional[Profile] = None) -> dict[s
     return ctx
 
 
+def _monitoring(spec: DeploySpec, profile: Profile, port: int, ports_declared: bool):
+    """What the profile's metrics collector needs for this job (pod metadata, ports, trainer
+    flags, objects to apply), from the one copy of that data in the observability module."""
+    from torchrec_cloud.observability import monitoring_profile
+
+    settings = profile.monitoring
+    try:
+        return monitoring_profile(
+            settings["profile"],
+            job_name=spec.name,
+            namespace=spec.namespace,
+            port=port,
+            nproc_per_node=spec.procs,
+            scrape_interval=str(settings["scrape_interval"]),
+            ports_declared=ports_declared,
+        )
+    except ConfigError:
+        raise  # a port range past 65535: the user's flag, named
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProfileError(
+            f"profile {profile.name!r}: monitoring must be {{profile: NAME, scrape_interval: 30s}} "
+            f"with NAME an entry of monitoring_profiles.yaml.j2; got {settings!r} ({e})"
+        ) from e
+
+
 def render_documents(spec: DeploySpec, profile: Optional[Profile] = None) -> list[str]:
-    """The bundle for ``spec.launcher``, one YAML document (text) per template."""
+    """The bundle for ``spec.launcher``, one YAML document (text) per template and per object
+    the metrics collector needs."""
     ctx = build_context(spec, profile)
-    names = LAUNCHER_TEMPLATES[spec.launcher] + list(ctx["profile"].extra_templates)
-    return [render_template(name, **ctx).strip("\n") + "\n" for name in names]
+    docs = [render_template(name, **ctx) for name in LAUNCHER_TEMPLATES[spec.launcher]]
+    docs += [render_template("collector.yaml.j2", manifest=m, **ctx) for m in ctx["monitoring"].manifests]
+    docs += [render_template(name, **ctx) for name in ctx["profile"].extra_templates]
+    return [doc.strip("\n") + "\n" for doc in docs]
 
 
 def render_bundle(spec: DeploySpec, profile: Optional[Profile] = None) -> str:

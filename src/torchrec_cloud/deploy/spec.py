@@ -7,7 +7,7 @@ spec plus a :class:`~torchrec_cloud.deploy.profiles.Profile` into a job. Trainin
 carries a flag the image's trainer would reject::
 
     spec = DeploySpec(cloud="generic", nodes=2, gpus_per_node=8, train_args=["--batch_size", "4096"])
-    spec.trainer_args(profile)   # ['--preset', 'quickstart', '--output_dir', ..., '--batch_size', '4096']
+    spec.trainer_args("/workspace/runs")   # ['--preset', 'quickstart', '--output_dir', ..., '--batch_size', '4096']
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
 
 from torchrec_cloud import __version__
 from torchrec_cloud.config import PRESETS, ConfigError, add_config_flags, config_from_args, flag_kwargs
@@ -148,12 +148,16 @@ class DeploySpec:
     def world_size(self) -> int:
         return self.nodes * self.procs
 
-    def trainer_args(self, output_root: str, metrics_port: Optional[int]) -> list[str]:
-        """Flags for ``torchrec-cloud train``: preset, data, checkpoint, output, then the user's.
+    def user_prometheus_port(self) -> Optional[int]:
+        """``--prometheus_port`` given among the training flags, if any (it then decides the
+        ports the manifests declare and the collectors scrape)."""
+        return getattr(_trainer_parser().parse_args(list(self.train_args)), "prometheus_port", None)
 
-        ``--prometheus_port`` is added only when this checkout's trainer has the flag (the
-        manifests and the image come from the same commit). Raises :class:`ConfigError` if
-        the combined flags would not start the trainer.
+    def trainer_args(self, output_root: str, metrics_args: Sequence[str] = ()) -> list[str]:
+        """Flags for ``torchrec-cloud train``: preset, data, checkpoint, output, the metrics
+        endpoint's (``--prometheus_port``, ``--prometheus_linger`` from the monitoring
+        profile), then the user's, which win: a flag the user gives is not added twice.
+        Raises :class:`ConfigError` if the combined flags would not start the trainer.
         """
         known = trainer_flags()
         user = list(self.train_args)
@@ -169,8 +173,10 @@ class DeploySpec:
             args += ["--checkpoint_path", self.checkpoint_url]
         if "--output_dir" not in user_flags:
             args += ["--output_dir", f"{output_root}/{self.name}"]
-        if metrics_port and "--prometheus_port" in known and "--prometheus_port" not in user_flags:
-            args += ["--prometheus_port", str(metrics_port)]
+        metrics_args = list(metrics_args)
+        for flag, value in zip(metrics_args[::2], metrics_args[1::2]):
+            if flag not in user_flags:
+                args += [flag, value]
         args += user
         ns = _trainer_parser().parse_args(args)
         config_from_args(ns)  # raises ConfigError naming the flag for bad values

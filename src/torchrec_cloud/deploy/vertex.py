@@ -59,7 +59,7 @@ def container_command(spec: DeploySpec, ctx: dict[str, Any], output_root: str) -
         "-m",
         "torchrec_cloud",
         "train",
-        *spec.trainer_args(output_root, None),
+        *spec.trainer_args(output_root),
     ]
     script = (
         'eval "$(python -m torchrec_cloud.deploy.vertex rendezvous-env)" && exec '
