@@ -1,0 +1,60 @@
+"""Shared fixtures: storage services started once per session on 127.0.0.1.
+
+``s3_service``, ``gcs_service`` and ``azure_service`` yield a running service from
+:mod:`services` (``.url``: a URL prefix inside a fresh bucket; ``.env``: what a process
+needs to reach it) and stop it at the end of the session. While a test uses one, its
+variables are also set in this process, so :mod:`torchrec_cloud.storage` reaches it.
+``storage_root`` runs a test once per backend: local folder, S3, GCS and Azure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from services import AzuriteService, GCSService, S3Service  # noqa: E402
+
+
+def _session_service(cls):
+    service = cls()
+    service.start()
+    try:
+        yield service
+    finally:
+        service.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_service():
+    yield from _session_service(S3Service)
+
+
+@pytest.fixture(scope="session")
+def gcs_service():
+    yield from _session_service(GCSService)
+
+
+@pytest.fixture(scope="session")
+def azure_service():
+    yield from _session_service(AzuriteService)
+
+
+_SERVICES = {"s3": "s3_service", "gs": "gcs_service", "az": "azure_service"}
+
+
+@pytest.fixture(params=["local", "s3", "gs", "az"])
+def storage_root(request, tmp_path, monkeypatch):
+    """A fresh folder or bucket prefix on each backend; the service's env is set here."""
+    if request.param == "local":
+        yield str(tmp_path / "store")
+        return
+    service = request.getfixturevalue(_SERVICES[request.param])
+    for key, value in service.env.items():
+        monkeypatch.setenv(key, value)
+    yield f"{service.url}/{uuid.uuid4().hex[:8]}"
