@@ -23,6 +23,7 @@ from torchrec_cloud.config import ConfigError
 # Sub-command modules, in the order ``--help`` lists them.
 COMMANDS = [
     "torchrec_cloud.train",
+    "torchrec_cloud.checkpoint",
 ]
 
 
