@@ -325,13 +325,16 @@ def read_metadata(path: str):
 def load_full_state(path: str) -> dict[str, Any]:
     """The whole checkpoint as plain, unsharded tensors in this one process (no process
     group): for inspection, tests and export. Keys are DCP's flattened FQNs."""
-    from torch.distributed.checkpoint import load
+    # What torch's dcp_to_torch_save does: an empty state dict that the planner fills from
+    # the checkpoint's own index (the public load() fills only keys it is given).
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
-    load(state, storage_reader=_dcp_storage(path, write=False), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
+    _load_state_dict(
+        state, storage_reader=_dcp_storage(path, write=False), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+    )
     flat, _ = flatten_state_dict(state)
     return flat
 
@@ -374,6 +377,12 @@ class Preemption:
 # -- The checkpointer the loop uses ---------------------------------------------------
 
 
+def _one_line(text: str, limit: int = 600) -> str:
+    """Service errors carry multi-line bodies (XML, JSON); a start-up error is one line."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _agree(env, fn: Callable[[], Any], flag: str) -> Any:
     """Run ``fn`` on rank 0 and hand its result, or its error, to every rank, so a bad
     path fails all ranks at start-up instead of leaving some waiting in a collective."""
@@ -384,7 +393,7 @@ def _agree(env, fn: Callable[[], Any], flag: str) -> Any:
         except ConfigError as e:
             box[0] = ("config", e.flag, str(e).split(": ", 1)[-1])
         except storage.StorageError as e:
-            box[0] = ("config", flag, str(e))
+            box[0] = ("config", flag, _one_line(str(e)))
     if env.world_size > 1:
         dist.broadcast_object_list(box, src=0)
     result = box[0]
@@ -447,7 +456,7 @@ class Checkpointer:
             storage.write_bytes(probe, b"ok")
             storage.remove(probe)
         except storage.StorageError as e:
-            error = str(e)
+            error = _one_line(str(e))
         errors = [error]
         if self.env.world_size > 1:
             errors = [None] * self.env.world_size

@@ -141,7 +141,9 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
         test = _evaluate(pipeline, source, "test", step, cfg.train.num_epochs - 1, env, sink)
 
     # -- save --------------------------------------------------------------------------
-    checkpoints.save(position, dmp, optimizer, scheduler, reason="preempted" if preemption.stop else "end")
+    # A run stopped before its first step has nothing new to save (and little grace time).
+    if not (preemption.stop and step == start_step):
+        checkpoints.save(position, dmp, optimizer, scheduler, reason="preempted" if preemption.stop else "end")
     checkpoints.close()
     preemption.close()
     sink.log(
