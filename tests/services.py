@@ -195,6 +195,9 @@ class GCSService(Service):
         self.env = {
             "STORAGE_EMULATOR_HOST": endpoint,
             "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+            # For fsspec users other than torchrec_cloud.storage (which needs no token for
+            # an emulator), e.g. torch.distributed.checkpoint's fsspec writer.
+            "FSSPEC_GCS_TOKEN": "anon",
         }
         self.url = f"gs://{self.bucket}"
 

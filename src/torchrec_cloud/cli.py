@@ -23,6 +23,8 @@ from torchrec_cloud.config import ConfigError
 # Sub-command modules, in the order ``--help`` lists them.
 COMMANDS = [
     "torchrec_cloud.train",
+    "torchrec_cloud.bench",
+    "torchrec_cloud.criteo",
     "torchrec_cloud.checkpoint",
 ]
 

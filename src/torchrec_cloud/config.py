@@ -140,6 +140,20 @@ class DataConfig:
     """Synthetic data: held-out batches per split (val and test), shared by all ranks."""
     seed: int = 0
     """Seed for data generation, model initialisation and shuffling."""
+    shuffle: bool = False
+    """Criteo data: shuffle the training rows every epoch (8192-row blocks in a random
+    order, then rows within windows of about 256K rows), deterministically from --seed.
+    Off: each rank reads its contiguous part in file order, as the references do."""
+    dense_transform: Literal["torchrec", "log1p"] = "torchrec"
+    """Criteo data: how the 13 integer features become model inputs. ``torchrec``: as
+    torchrec.datasets.criteo, log(x - m + 2) with m the smallest value in the source file
+    (missing = 0); ``log1p``: log(max(x, 0) + 1), as the original DLRM."""
+    multi_hot_sizes: Optional[list[int]] = None
+    """Bag size per sparse feature (comma-separated, MLPerf DCNv2 style): each id becomes
+    the id plus size-1 ids derived from it. Unset: one id per feature."""
+    multi_hot_pooling: Literal["fixed", "random"] = "fixed"
+    """With --multi_hot_sizes: every bag has its full size (``fixed``, as MLPerf) or a
+    size drawn from 1..size per sample (``random``)."""
 
     def __post_init__(self) -> None:
         _positive("batch_size", self.batch_size)
@@ -147,6 +161,7 @@ class DataConfig:
         _positive("num_eval_batches", self.num_eval_batches)
         if self.dataset_path is not None and not self.dataset_path.strip():
             raise ConfigError("dataset_path", "must not be empty")
+        _positive_list("multi_hot_sizes", self.multi_hot_sizes)
 
 
 @dataclass
@@ -295,6 +310,12 @@ CRITEO_1TB_TABLE_SIZES = [
 ]  # fmt: skip
 
 
+# MLPerf DLRM-DCNv2's multi-hot bag size per Criteo categorical feature.
+MLPERF_MULTI_HOT_SIZES = [
+    3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1,
+]  # fmt: skip
+
+
 def quickstart() -> JobConfig:
     """The seed quickstart: 13 dense + 26 sparse features, 100K rows, dim 64, batch 8192."""
     return JobConfig(preset="quickstart")
@@ -328,7 +349,7 @@ def mlperf_dcnv2() -> JobConfig:
             dcn_num_layers=3,
             dcn_low_rank_dim=512,
         ),
-        data=DataConfig(batch_size=2048),
+        data=DataConfig(batch_size=2048, multi_hot_sizes=list(MLPERF_MULTI_HOT_SIZES)),
         optimizer=OptimizerConfig(learning_rate=0.004),
         output=OutputConfig(output_dir="runs/mlperf-dcnv2"),
         preset="mlperf-dcnv2",

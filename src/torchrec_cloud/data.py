@@ -121,6 +121,12 @@ class SyntheticSource:
         self.num_dense = cfg.model.num_dense_features
         self.keys = feature_names(cfg.model.num_sparse_features)
         self.teacher = Teacher(self.num_dense, len(self.keys), self.seed)
+        self.multi_hot_sizes = cfg.data.multi_hot_sizes
+        self.multi_hot_pooling = cfg.data.multi_hot_pooling
+        if self.multi_hot_sizes is not None:
+            from torchrec_cloud.multihot import validate_sizes
+
+            validate_sizes(self.multi_hot_sizes, len(self.keys))
 
     # The generator behind every batch: a function of (seed, split, global index) only.
     def _features(self, split: str, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
@@ -143,11 +149,15 @@ class SyntheticSource:
             labels = torch.bernoulli(p, generator=g)
         else:
             labels = torch.randint(0, 2, (self.batch_size,), generator=g).float()
-        return Batch(
-            dense_features=dense,
-            sparse_features=_one_hot_kjt(self.keys, ids),
-            labels=labels,
-        )
+        if self.multi_hot_sizes is not None:
+            from torchrec_cloud.multihot import expand_multi_hot
+
+            sparse = expand_multi_hot(
+                ids, self.multi_hot_sizes, self.table_sizes.tolist(), g, self.multi_hot_pooling, self.keys
+            )
+        else:
+            sparse = _one_hot_kjt(self.keys, ids)
+        return Batch(dense_features=dense, sparse_features=sparse, labels=labels)
 
     def teacher_probabilities(self, split: str, index: int) -> torch.Tensor:
         dense, ids, _ = self._features(split, index)
@@ -195,11 +205,7 @@ def _one_hot_kjt(keys: list[str], ids: torch.Tensor) -> KeyedJaggedTensor:
 def build_data_source(cfg: JobConfig, rank: int, world_size: int) -> DataSource:
     """Synthetic data, or preprocessed Criteo shards when ``--dataset_path`` is set."""
     if cfg.data.dataset_path is not None:
-        from torchrec_cloud.config import ConfigError
+        from torchrec_cloud.criteo_source import build_criteo_source
 
-        raise ConfigError(
-            "dataset_path",
-            "reading preprocessed Criteo shards is not available in this version; "
-            "leave it out to train on synthetic data (--synthetic planted|random)",
-        )
+        return build_criteo_source(cfg, rank, world_size)
     return SyntheticSource(cfg, rank, world_size)

@@ -17,8 +17,10 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.model_parallel import get_default_sharders
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
-from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.distributed.planner.types import ParameterConstraints
+from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -122,7 +124,10 @@ def shard_model(
     )
     sharders = get_default_sharders()
     planner = EmbeddingShardingPlanner(
-        topology=topology(env), batch_size=cfg.data.batch_size, debug=False
+        topology=topology(env),
+        batch_size=cfg.data.batch_size,
+        constraints=fused_constraints(model),
+        debug=False,
     )
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
     dmp = DistributedModelParallel(
@@ -133,6 +138,27 @@ def shard_model(
         device=env.device,
     )
     return dmp, plan
+
+
+def fused_constraints(model: torch.nn.Module) -> dict[str, ParameterConstraints]:
+    """Keep every table model-parallel with the fused kernel.
+
+    Left alone, the planner makes small tables data-parallel with a dense kernel, which
+    bypasses the fused row-wise Adagrad the tables are meant to train with.
+    """
+    sharding_types = [
+        ShardingType.TABLE_WISE.value,
+        ShardingType.ROW_WISE.value,
+        ShardingType.COLUMN_WISE.value,
+        ShardingType.TABLE_ROW_WISE.value,
+    ]
+    ebc = model.model.sparse_arch.embedding_bag_collection
+    return {
+        table.name: ParameterConstraints(
+            sharding_types=sharding_types, compute_kernels=[EmbeddingComputeKernel.FUSED.value]
+        )
+        for table in ebc.embedding_bag_configs()
+    }
 
 
 def build_optimizer(dmp: DistributedModelParallel, cfg: OptimizerConfig) -> CombinedOptimizer:

@@ -47,6 +47,10 @@ class StorageError(OSError):
     def __init__(self, path: str, message: str) -> None:
         super().__init__(f"{path}: {message}")
         self.path = path
+        self.message = message
+
+    def __reduce__(self) -> Any:  # crosses process boundaries intact
+        return (type(self), (self.path, self.message))
 
 
 class StorageNotFoundError(StorageError):

@@ -1,0 +1,284 @@
+"""Throughput benchmark: our trainer against a hand-written PyTorch DLRM and the machine's bound.
+
+    torchrec-cloud bench                  # quickstart model, batch 2048
+    torchrec-cloud bench --json           # last line: one JSON object with every figure
+
+Each measurement runs in its own process (so peak RSS is its own), on pre-generated
+batches (so data generation is not measured):
+
+- ``ours``: the trainer's own model, sharding, fused optimizer and TrainPipelineSparseDist,
+  at 1 rank and at 2 ranks under torchrun (threads split between the ranks as training does).
+- ``handwritten``: plain PyTorch, one fused ``nn.EmbeddingBag(sparse=True)`` for all tables,
+  the same MLPs and dot interaction, Adagrad.
+- ``bound``: FLOPs per training sample (forward + backward, counted by torch's
+  FlopCounterMode) divided by the float32 matmul rate measured here, now.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+QUICKSTART_ARGS = ["--preset", "quickstart", "--synthetic", "random", "--no-progress", "--no-tensorboard"]
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _batches(cfg, rank: int, world_size: int, count: int) -> list:
+    from torchrec_cloud.data import SyntheticSource
+
+    source = SyntheticSource(cfg, rank, world_size)
+    return [source.make_batch("train", i * world_size + rank) for i in range(count)]
+
+
+# -- workers (each in its own process) ---------------------------------------------------
+
+
+def worker_ours(cfg, steps: int, warmup: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    from torchrec_cloud.distributed import build_optimizer, init_distributed, shard_model
+    from torchrec_cloud.model import build_model
+    from torchrec_cloud.train import quiet_library_warnings
+
+    quiet_library_warnings()
+    env = init_distributed(cfg.train.backend, cfg.train.num_threads)
+    torch.manual_seed(env.rank)
+    dmp, _ = shard_model(build_model(cfg.model, env.device), cfg, env)
+    optimizer = build_optimizer(dmp, cfg.optimizer)
+    pipeline = TrainPipelineSparseDist(dmp, optimizer, env.device, execute_all_batches=True)
+    batches = _batches(cfg, env.rank, env.world_size, 16)
+
+    def stream(n):
+        for i in range(n):
+            yield batches[i % len(batches)]
+
+    it = stream(warmup + steps)
+    for _ in range(warmup):
+        pipeline.progress(it)
+    if env.device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    start = time.perf_counter()
+    done = 0
+    while True:
+        try:
+            pipeline.progress(it)
+        except StopIteration:
+            break
+        done += 1
+    if env.device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    rss = torch.tensor([_peak_rss_mb()])
+    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    result = {
+        "samples_per_s": done * cfg.data.batch_size * env.world_size / seconds,
+        "peak_rss_mb": float(rss),
+        "world_size": env.world_size,
+        "threads_per_rank": torch.get_num_threads(),
+    }
+    dist.barrier()
+    dist.destroy_process_group()
+    return result if env.rank == 0 else {}
+
+
+class HandwrittenDLRM(torch.nn.Module):
+    """DLRM in plain PyTorch: one EmbeddingBag for all tables (offset ids), dot interaction."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        m = cfg.model
+        sizes = m.table_sizes
+        self.register_buffer("offsets", torch.tensor([0] + sizes[:-1]).cumsum(0))
+        self.emb = torch.nn.EmbeddingBag(sum(sizes), m.embedding_dim, mode="sum", sparse=True)
+        self.bottom = _mlp([m.num_dense_features] + m.dense_arch_layer_sizes)
+        f = m.num_sparse_features + 1
+        self.register_buffer("triu", torch.triu_indices(f, f, offset=1))
+        self.top = _mlp([m.embedding_dim + f * (f - 1) // 2] + m.over_arch_layer_sizes, last_relu=False)
+
+    def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        b, nf = ids.shape
+        emb = self.emb((ids + self.offsets).view(-1, 1)).view(b, nf, -1)
+        x = self.bottom(dense)
+        feats = torch.cat([x.unsqueeze(1), emb], dim=1)
+        inter = torch.bmm(feats, feats.transpose(1, 2))[:, self.triu[0], self.triu[1]]
+        return self.top(torch.cat([x, inter], dim=1)).squeeze(1)
+
+
+def _mlp(sizes: list[int], last_relu: bool = True) -> torch.nn.Sequential:
+    layers: list[torch.nn.Module] = []
+    for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
+        layers.append(torch.nn.Linear(a, b))
+        if last_relu or i < len(sizes) - 2:
+            layers.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*layers)
+
+
+def worker_handwritten(cfg, steps: int, warmup: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = HandwrittenDLRM(cfg)
+    dense_opt = torch.optim.Adagrad([p for n, p in model.named_parameters() if not n.startswith("emb.")], lr=0.05)
+    sparse_opt = torch.optim.Adagrad(model.emb.parameters(), lr=0.05)
+    batches = []
+    for batch in _batches(cfg, 0, 1, 16):
+        ids = batch.sparse_features.values().view(cfg.model.num_sparse_features, -1).t().contiguous()
+        batches.append((batch.dense_features, ids, batch.labels))
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+
+    def step(i: int) -> None:
+        dense, ids, labels = batches[i % len(batches)]
+        dense_opt.zero_grad()
+        sparse_opt.zero_grad()
+        loss_fn(model(dense, ids), labels).backward()
+        dense_opt.step()
+        sparse_opt.step()
+
+    for i in range(warmup):
+        step(i)
+    start = time.perf_counter()
+    for i in range(steps):
+        step(i)
+    seconds = time.perf_counter() - start
+    return {
+        "samples_per_s": steps * cfg.data.batch_size / seconds,
+        "peak_rss_mb": _peak_rss_mb(),
+        "threads_per_rank": torch.get_num_threads(),
+    }
+
+
+def worker_bound(cfg) -> dict[str, Any]:
+    """FLOPs per sample of the dense compute, and the float32 matmul rate of this machine."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = HandwrittenDLRM(cfg)
+    b = 256
+    dense = torch.rand(b, cfg.model.num_dense_features)
+    ids = torch.randint(0, 100, (b, cfg.model.num_sparse_features))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        torch.nn.functional.binary_cross_entropy_with_logits(model(dense, ids), torch.rand(b)).backward()
+    flops_per_sample = counter.get_total_flops() / b
+
+    n = 2048
+    x, y = torch.rand(n, n), torch.rand(n, n)
+    for _ in range(3):
+        x @ y
+    reps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < 3.0:
+        x @ y
+        reps += 1
+    matmul_flops_per_s = 2 * n**3 * reps / (time.perf_counter() - start)
+    return {
+        "flops_per_sample": flops_per_sample,
+        "matmul_gflops": matmul_flops_per_s / 1e9,
+        "samples_per_s": matmul_flops_per_s / flops_per_sample,
+        "threads": torch.get_num_threads(),
+    }
+
+
+# -- orchestration ------------------------------------------------------------------------
+
+
+def _run_worker(which: str, train_args: list[str], steps: int, warmup: int, nproc: int = 1) -> dict[str, Any]:
+    worker = ["-m", "torchrec_cloud", "bench", "--worker", which, "--steps", str(steps), "--warmup", str(warmup), "--", *train_args]
+    if nproc > 1:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", *worker]  # fmt: skip
+    else:
+        cmd = [sys.executable, *worker]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("BENCH ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"bench worker {which} (x{nproc}) failed with exit {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("BENCH "):])
+
+
+def run_bench(batch_size: int, steps: int, warmup: int, extra: list[str]) -> dict[str, Any]:
+    train_args = [*QUICKSTART_ARGS, "--batch_size", str(batch_size), *extra]
+    bound = _run_worker("bound", train_args, steps, warmup)
+    ours = _run_worker("ours", train_args, steps, warmup)
+    ours2 = _run_worker("ours", train_args, steps, warmup, nproc=2)
+    hand = _run_worker("handwritten", train_args, steps, warmup)
+    return {
+        "batch_size": batch_size,
+        "cpu_cores": os.cpu_count(),
+        "flops_per_sample": bound["flops_per_sample"],
+        "matmul_gflops": bound["matmul_gflops"],
+        "bound_samples_per_s": bound["samples_per_s"],
+        "ours_samples_per_s": ours["samples_per_s"],
+        "ours_2rank_samples_per_s": ours2["samples_per_s"],
+        "handwritten_samples_per_s": hand["samples_per_s"],
+        "ours_peak_rss_mb": ours["peak_rss_mb"],
+        "ours_2rank_peak_rss_mb_per_rank": ours2["peak_rss_mb"],
+        "handwritten_peak_rss_mb": hand["peak_rss_mb"],
+        "ours_vs_bound": ours["samples_per_s"] / bound["samples_per_s"],
+        "ours_vs_handwritten": ours["samples_per_s"] / hand["samples_per_s"],
+        "ours_2rank_vs_1rank": ours2["samples_per_s"] / ours["samples_per_s"],
+    }
+
+
+def format_table(r: dict[str, Any]) -> str:
+    rows = [
+        ("compute bound", r["bound_samples_per_s"], None, f"{r['flops_per_sample'] / 1e6:.2f} MFLOP/sample at {r['matmul_gflops']:.0f} GFLOP/s"),
+        ("ours, 1 rank", r["ours_samples_per_s"], r["ours_peak_rss_mb"], f"{r['ours_vs_bound']:.0%} of bound"),
+        ("ours, 2 ranks", r["ours_2rank_samples_per_s"], r["ours_2rank_peak_rss_mb_per_rank"], f"{r['ours_2rank_vs_1rank']:.2f}x 1 rank (RSS per rank)"),
+        ("hand-written PyTorch", r["handwritten_samples_per_s"], r["handwritten_peak_rss_mb"], f"ours = {r['ours_vs_handwritten']:.2f}x"),
+    ]
+    lines = [f"quickstart model, batch {r['batch_size']}, {r['cpu_cores']} cores", f"{'':<22}{'samples/s':>11}{'peak RSS MB':>13}  note"]
+    for name, sps, rss, note in rows:
+        lines.append(f"{name:<22}{sps:>11,.0f}{(f'{rss:,.0f}' if rss else '-'):>13}  {note}")
+    return "\n".join(lines)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("bench", help="measure training throughput against a plain-PyTorch DLRM and the compute bound",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--batch_size", type=int, default=2048, help="per-rank batch (default 2048)")
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per measurement")
+    parser.add_argument("--warmup", type=int, default=8, help="untimed steps first")
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON object on the last line")
+    parser.add_argument("--worker", choices=["ours", "handwritten", "bound"], help=argparse.SUPPRESS)
+    parser.add_argument("train_args", nargs="*", help="extra train flags after --, e.g. -- --embedding_dim 128")
+    parser.set_defaults(func=_main)
+    return parser
+
+
+def _main(ns: argparse.Namespace) -> int:
+    from torchrec_cloud.config import ConfigError, parse_job_config
+
+    for name in ("batch_size", "steps", "warmup"):
+        if getattr(ns, name) <= 0:
+            raise ConfigError(name, f"must be > 0, got {getattr(ns, name)}")
+    if ns.worker:
+        cfg = parse_job_config(ns.train_args)
+        if ns.worker == "ours":
+            result = worker_ours(cfg, ns.steps, ns.warmup)
+        elif ns.worker == "handwritten":
+            result = worker_handwritten(cfg, ns.steps, ns.warmup)
+        else:
+            result = worker_bound(cfg)
+        if result:
+            print("BENCH " + json.dumps(result), flush=True)
+        return 0
+    result = run_bench(ns.batch_size, ns.steps, ns.warmup, ns.train_args)
+    print(format_table(result))
+    if ns.json:
+        print(json.dumps(result))
+    return 0

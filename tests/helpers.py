@@ -1,0 +1,71 @@
+"""Shared by the tests: a tiny model config, running the CLI, reading metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]
+
+# Small enough to train in seconds on 2 cores, big enough to learn the planted signal.
+TINY = [
+    "--num_embeddings", "100",
+    "--embedding_dim", "8",
+    "--dense_arch_layer_sizes", "32,8",
+    "--over_arch_layer_sizes", "32,1",
+    "--batch_size", "256",
+    "--num_batches_per_epoch", "10",
+    "--num_eval_batches", "4",
+    "--no-progress",
+]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env_for_subprocess() -> dict[str, str]:
+    env = dict(os.environ)
+    src = str(REPO / "src")
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def run(args: list[str], cwd: Path | str | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run a command, capture its output; never raises on a non-zero exit."""
+    return subprocess.run(
+        args, cwd=cwd, env=env_for_subprocess(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def torchrun(nproc: int, args: list[str], cwd=None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """The real launcher on one host, standalone rendezvous on a free loopback port."""
+    launcher = TORCHRUN + [
+        f"--nproc_per_node={nproc}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+        "--nnodes=1",
+    ]
+    return run(launcher + args, cwd=cwd, timeout=timeout)
+
+
+def read_metrics(output_dir: Path | str) -> list[dict]:
+    path = Path(output_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def evals(records: list[dict], split: str) -> list[dict]:
+    return [r for r in records if r.get("event") == "eval" and r.get("split") == split]
+
+
+def explain(proc: subprocess.CompletedProcess) -> str:
+    return f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
