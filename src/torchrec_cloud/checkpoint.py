@@ -300,12 +300,14 @@ def _private_copy(state: Any) -> Any:
     if isinstance(state, dict):
         return {key: _private_copy(value) for key, value in state.items()}
     if isinstance(state, ShardedTensor):
+        if state.device.type != "cpu":
+            return state.to("cpu")  # copies each local shard's rows to host memory
         shards = [Shard(s.tensor.detach().clone(), s.metadata) for s in state.local_shards()]
         return ShardedTensor._init_from_local_shards_and_global_metadata(
             shards, state.metadata(), process_group=state._process_group
         )
     if isinstance(state, torch.Tensor):
-        return state.detach().clone()
+        return state.detach().to("cpu", copy=True)
     return copy.deepcopy(state)
 
 
@@ -511,7 +513,18 @@ class Checkpointer:
 
     def _find_resume_target(self) -> Optional[CheckpointInfo]:
         if self.ck.resume_from is not None:
-            return resolve(self.ck.resume_from)
+            target = resolve(self.ck.resume_from)
+            newer = newest_complete(self.root, warn=False) if self.root is not None else None
+            if newer is not None and (newer.step or 0) > (target.step or 0):
+                warnings.warn(
+                    f"--checkpoint_path {self.root} already holds {newer.name}, newer than "
+                    f"--resume_from {target.path}; a restart without --resume_from would resume "
+                    "from it, and it counts towards --checkpoint_keep. Use a fresh --checkpoint_path "
+                    "to branch off an older checkpoint.",
+                    CheckpointWarning,
+                    stacklevel=2,
+                )
+            return target
         if self.root is not None:
             return newest_complete(self.root)
         return None
@@ -556,9 +569,13 @@ class Checkpointer:
         return Position(int(trainer["step"]), int(trainer["epoch"]), int(trainer["batch"]))
 
     def _is_ours(self, info: CheckpointInfo) -> bool:
+        """Whether ``info`` lives under --checkpoint_path (then it need not be saved again)."""
         if self.root is None:
             return False
-        return info.path.rstrip("/") == storage.join(self.root, info.name).rstrip("/")
+        ours = storage.join(self.root, info.name)
+        if storage.is_url(ours):
+            return info.path.rstrip("/") == ours.rstrip("/")
+        return os.path.realpath(info.path) == os.path.realpath(ours)
 
     # -- save
 
