@@ -8,16 +8,14 @@ launcher (``python -m torch.distributed.run``) on a free port of 127.0.0.1.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from helpers import TORCHRUN, env_for_subprocess
 from services import free_port
-
-SRC = str(Path(__file__).resolve().parent.parent / "src")
 
 TINY = [
     "--num_embeddings", "1000", "--embedding_dim", "16",
@@ -28,9 +26,7 @@ TINY = [
 
 
 def env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
-    out = {**os.environ, **(extra or {})}
-    out["PYTHONPATH"] = SRC + os.pathsep + out.get("PYTHONPATH", "")
-    return out
+    return {**env_for_subprocess(), **(extra or {})}
 
 
 def train_cmd(nproc: int, out: Path, *flags: str, max_restarts: int = 0) -> list[str]:
@@ -39,7 +35,7 @@ def train_cmd(nproc: int, out: Path, *flags: str, max_restarts: int = 0) -> list
     if nproc == 1:
         return [sys.executable, *args]
     return [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        *TORCHRUN, f"--nproc_per_node={nproc}",
         "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
         f"--max_restarts={max_restarts}", "--monitor_interval=0.5", *args,
     ]  # fmt: skip

@@ -13,7 +13,7 @@ import torch
 
 from checkpoint_runs import TINY, free_port, metrics
 from services import AZURITE_ACCOUNT
-from torchrec_cloud import checkpoint, cli, storage
+from torchrec_cloud import checkpoint, cli
 from torchrec_cloud.config import parse_job_config
 from torchrec_cloud.train import run as train
 

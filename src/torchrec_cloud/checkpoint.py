@@ -438,11 +438,15 @@ def _agree(env, fn: Callable[[], Any], flag: str) -> Any:
             box[0] = ("config", e.flag, str(e).split(": ", 1)[-1])
         except storage.StorageError as e:
             box[0] = ("config", flag, _one_line(str(e)))
+        except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks too
+            box[0] = ("error", f"{type(e).__name__}: {e}")
     if env.world_size > 1:
         dist.broadcast_object_list(box, src=0)
     result = box[0]
     if result[0] == "config":
         raise ConfigError(result[1], result[2])
+    if result[0] == "error":
+        raise CheckpointError(f"rank 0 could not find the checkpoint to resume: {result[1]}")
     return result[1]
 
 
