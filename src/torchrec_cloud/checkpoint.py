@@ -300,9 +300,10 @@ def _private_copy(state: Any) -> Any:
     if isinstance(state, dict):
         return {key: _private_copy(value) for key, value in state.items()}
     if isinstance(state, ShardedTensor):
-        if state.device.type != "cpu":
+        local = state.local_shards()
+        if local and local[0].tensor.device.type != "cpu":
             return state.to("cpu")  # copies each local shard's rows to host memory
-        shards = [Shard(s.tensor.detach().clone(), s.metadata) for s in state.local_shards()]
+        shards = [Shard(s.tensor.detach().clone(), s.metadata) for s in local]
         return ShardedTensor._init_from_local_shards_and_global_metadata(
             shards, state.metadata(), process_group=state._process_group
         )
