@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 OUTPUT_DIR ?= runs/quickstart
 PYTEST_ARGS ?=
 
-.PHONY: install quickstart test bench clean
+.PHONY: install quickstart test bench clean render
 
 install:
 	@VENV=$(VENV) bash scripts/install.sh
@@ -18,6 +18,11 @@ test: install
 
 bench: install
 	$(PY) -m torchrec_cloud bench
+
+# Regenerate the committed deployment files (quickstart/, docker/, aws/, azure/, gcp/) from
+# src/torchrec_cloud/deploy/ templates + profiles; tests/test_deploy.py fails when they drift.
+render: install
+	$(PY) -m torchrec_cloud.deploy.layout
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

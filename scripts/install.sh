@@ -45,11 +45,16 @@ pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 
 torch_index=()
 [ -n "${TORCH_INDEX_URL:-}" ] && torch_index=(--extra-index-url "$TORCH_INDEX_URL")
-# pip's warnings about file:// index entries without a page for a package are noise here.
-"${pip[@]}" "${torch_index[@]}" "torch==$TORCH_VERSION" "$fbgemm" 2>&1 | grep -v "is ignored: it is neither" || true
-"${pip[@]}" --no-deps "torchrec==$TORCHREC_VERSION" 2>&1 | grep -v "is ignored: it is neither" || true
-"${pip[@]}" -r "$here/requirements/torchrec-deps.txt" 2>&1 | grep -v "is ignored: it is neither" || true
-"${pip[@]}" -e "$here[$EXTRAS]" 2>&1 | grep -v "is ignored: it is neither" | grep -v "requires fbgemm-gpu, which is not installed" | grep -v "dependency resolver does not currently" || true
+# Expected noise, filtered: file:// index entries without a page for a package, and the
+# resolver's complaint that torchrec wants `fbgemm-gpu` (the CPU build has another name).
+quiet() {
+  grep -v -e "is ignored: it is neither" -e "requires fbgemm-gpu, which is not installed" \
+          -e "dependency resolver does not currently take into account" || true
+}
+"${pip[@]}" "${torch_index[@]}" "torch==$TORCH_VERSION" "$fbgemm" 2>&1 | quiet
+"${pip[@]}" --no-deps "torchrec==$TORCHREC_VERSION" 2>&1 | quiet
+"${pip[@]}" -r "$here/requirements/torchrec-deps.txt" 2>&1 | quiet
+"${pip[@]}" -e "$here[$EXTRAS]" 2>&1 | quiet
 
 if ! "$VENV/bin/python" -c "import torch, fbgemm_gpu, torchrec, torchrec_cloud" 2>/tmp/torchrec-cloud-import.err; then
   echo "install.sh: the stack does not import (torch/fbgemm/torchrec must be the pinned pair):" >&2

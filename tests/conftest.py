@@ -9,7 +9,6 @@ variables are also set in this process, so :mod:`torchrec_cloud.storage` reaches
 
 from __future__ import annotations
 
-import os
 import sys
 import uuid
 from pathlib import Path

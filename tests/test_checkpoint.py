@@ -148,24 +148,7 @@ def test_missing_bucket_fails_before_training(s3_service, monkeypatch, tmp_path,
     assert code == 2 and "--checkpoint_path" in err and "no-such-bucket-ckpt" in err and "not found" in err
 
 
-@pytest.fixture
-def fresh_clients():
-    """fsspec reuses one client per protocol, built from the environment of its first use;
-    these tests change the environment, so they get clients of their own."""
-    import adlfs
-    import s3fs
-
-    classes = (s3fs.S3FileSystem, adlfs.AzureBlobFileSystem)
-    for cls in classes:
-        cls.clear_instance_cache()
-    yield
-    for cls in classes:
-        cls.clear_instance_cache()
-
-
-def test_unreachable_storage_and_wrong_credentials_fail_before_training(
-    azure_service, fresh_clients, monkeypatch, tmp_path, capsys
-):
+def test_unreachable_storage_and_wrong_credentials_fail_before_training(azure_service, monkeypatch, tmp_path, capsys):
     s3 = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y",
           "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}  # fmt: skip
     wrong_key = azure_service.env["AZURE_STORAGE_CONNECTION_STRING"].replace("AccountKey=Eby8", "AccountKey=AAAA")

@@ -5,9 +5,8 @@ input; resuming; reading from storage emulators; and rows reaching ranks exactly
 from __future__ import annotations
 
 import gzip
-import json
 import os
-import shutil
+import json
 from pathlib import Path
 
 import numpy as np
@@ -468,3 +467,36 @@ def test_parser_reads_fields_as_python_int_does():
     assert _parse_swar(padded, starts, ends, 10) is None
     values, ok = _parse_numbers(buf, starts, ends, 16, 15)
     assert values[1] == 0xFFFFFFFFFFFF and ok[1]
+
+
+def test_killed_run_resumes_to_the_same_output(tmp_path, capsys):
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path as P
+
+    day0 = tmp_path / "day_0.gz"
+    write_criteo_tsv(str(day0), rows=30_000, seed=4)
+    day1 = tmp_path / "day_1"
+    write_criteo_tsv(str(day1), rows=300, seed=5)
+    # 300 small shards: the run is still busy when the third one is committed.
+    args = ["--format", "terabyte", "--input", str(day0), str(day1), "--rows_per_shard", "100",
+            "--num_embeddings", "1000", "--workers", "1"]
+    out = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": str(P(__file__).resolve().parents[1] / "src")}
+    proc = subprocess.Popen([sys.executable, "-m", "torchrec_cloud", "data", "preprocess", "--no_progress",
+                             *args, "--output", str(out)], env=env)
+    deadline = time.monotonic() + 300
+    while len(list((out / "shards").glob("*.done"))) < 3 and time.monotonic() < deadline:
+        assert proc.poll() is None, "preprocessing ended before it could be interrupted"
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "manifest.json").exists()
+    done = len(list((out / "shards").glob("*.done")))
+    rc, stdout, err = preprocess(capsys, *args, "--output", str(out))
+    assert rc == 0, err
+    assert f"resumed: {done} shard(s)" in stdout
+    assert preprocess(capsys, *args, "--output", str(tmp_path / "clean"))[0] == 0
+    np.testing.assert_array_equal(shard_records(str(out)), shard_records(str(tmp_path / "clean")))

@@ -49,3 +49,23 @@ def test_missing_bucket_is_typed_error(s3_service, monkeypatch):
 def test_unsupported_scheme_names_the_choices():
     with pytest.raises(storage.StorageError, match="unsupported URL scheme hdfs://.*s3://"):
         storage.read_bytes("hdfs://x/y")
+
+
+def test_wrong_credentials_are_a_permission_error(azure_service, monkeypatch):
+    wrong = azure_service.env["AZURE_STORAGE_CONNECTION_STRING"].replace(
+        "AccountKey=Eby8", "AccountKey=AAAA"
+    )
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", wrong)
+    with pytest.raises(storage.StoragePermissionError, match="access denied.*AZURE_STORAGE_CONNECTION_STRING"):
+        storage.write_bytes(f"{azure_service.url}/x.bin", b"1")
+
+
+def test_unreachable_endpoint_is_typed_error(monkeypatch):
+    from services import free_port
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(storage.StorageUnreachableError, match="unreachable"):
+        storage.check_access("s3://bucket/run")

@@ -20,13 +20,17 @@ from typing import Optional
 
 from torchrec_cloud.config import ConfigError
 
-# Sub-command modules, in the order ``--help`` lists them.
-COMMANDS = [
-    "torchrec_cloud.train",
-    "torchrec_cloud.bench",
-    "torchrec_cloud.criteo",
-    "torchrec_cloud.checkpoint",
-]
+# Sub-command name -> module, in the order ``--help`` lists them. Only the module of the
+# command being run is imported, so `render` or `report` do not wait for torch to load.
+COMMANDS = {
+    "train": "torchrec_cloud.train",
+    "bench": "torchrec_cloud.bench",
+    "report": "torchrec_cloud.report",
+    "render": "torchrec_cloud.deploy.render",
+    "submit": "torchrec_cloud.deploy.submit",
+    "data": "torchrec_cloud.criteo",
+    "checkpoint": "torchrec_cloud.checkpoint",
+}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -36,21 +40,25 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Optional[list[str]] = None) -> argparse.ArgumentParser:
+    """The full parser, or (given ``argv`` naming a command) one with only that command."""
     parser = OneLineParser(
         prog="torchrec-cloud",
         description="Train DLRM/DCNv2 recommendation models with TorchRec, locally or in the cloud.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     sub.required = True
-    for name in COMMANDS:
-        importlib.import_module(name).add_parser(sub)
+    first = next((a for a in argv or [] if not a.startswith("-")), None)
+    chosen = [first] if first in COMMANDS else list(COMMANDS)
+    for name in chosen:
+        importlib.import_module(COMMANDS[name]).add_parser(sub)
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = build_parser()
-    ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
+    ns = parser.parse_args(argv)
     try:
         return int(ns.func(ns) or 0)
     except ConfigError as e:

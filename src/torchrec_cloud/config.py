@@ -237,10 +237,28 @@ class OutputConfig:
     """Write TensorBoard event files to --output_dir."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+    prometheus_port: Optional[int] = None
+    """Serve Prometheus metrics over HTTP: rank r listens on this port + its local rank
+    (off when not given)."""
+    metrics_host: str = "0.0.0.0"
+    """Address the Prometheus endpoint binds to (0.0.0.0: reachable by the cluster's collector)."""
+    system_metrics_interval: float = 5.0
+    """Seconds between samples of GPU (NVML) and host CPU/memory gauges for Prometheus."""
+    prometheus_linger: float = 0.0
+    """Seconds the Prometheus endpoint keeps serving after the run ends, so the collector's
+    next scrape sees the final evaluation (give at least the scrape interval)."""
 
     def __post_init__(self) -> None:
         if not self.output_dir.strip():
             raise ConfigError("output_dir", "must not be empty")
+        if self.prometheus_port is not None and not 1 <= self.prometheus_port <= 65535:
+            raise ConfigError(
+                "prometheus_port", f"must be a TCP port in 1..65535, got {self.prometheus_port}"
+            )
+        if not self.metrics_host.strip():
+            raise ConfigError("metrics_host", "must not be empty (use 0.0.0.0 or 127.0.0.1)")
+        _positive("system_metrics_interval", self.system_metrics_interval)
+        _positive("prometheus_linger", self.prometheus_linger, allow_zero=True)
 
 
 @dataclass
@@ -397,6 +415,22 @@ def _int_list(text: str) -> list[int]:
         ) from None
 
 
+def flag_kwargs(tp: Any) -> dict[str, Any]:
+    """argparse keywords for a dataclass field of type ``tp`` (``Optional`` unwrapped):
+    bools get --x/--no-x, Literals choices, ``list[int]`` comma or space separated ints."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType) and type(None) in args:
+        tp = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if origin is Literal:
+        return {"choices": list(args)}
+    if origin is list:
+        return {"type": _int_list, "nargs": "+", "metavar": "N,N,..."}
+    return {"type": tp}
+
+
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """Add ``--preset`` and one flag per leaf of :class:`JobConfig` (defaults: the preset's)."""
     parser.add_argument(
@@ -412,22 +446,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group(section, cls.__doc__)
         for f in dataclasses.fields(cls):
             tp = hints_by_section[section][f.name]
-            kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": docs.get(f.name, "")}
-            origin = typing.get_origin(tp)
-            args = typing.get_args(tp)
-            if origin in (typing.Union, types.UnionType) and type(None) in args:
-                tp = next(a for a in args if a is not type(None))
-                origin, args = typing.get_origin(tp), typing.get_args(tp)
-            if tp is bool:
-                kwargs["action"] = argparse.BooleanOptionalAction
-            elif origin is Literal:
-                kwargs["choices"] = list(args)
-            elif origin is list:
-                kwargs["type"] = _int_list
-                kwargs["nargs"] = "+"
-                kwargs["metavar"] = "N,N,..."
-            else:
-                kwargs["type"] = tp
+            kwargs = {"default": argparse.SUPPRESS, "help": docs.get(f.name, ""), **flag_kwargs(tp)}
             group.add_argument(f"--{f.name}", **kwargs)
 
 

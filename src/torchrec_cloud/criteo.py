@@ -859,7 +859,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "preprocess",
         help="convert Criteo Kaggle/1TB TSV (plain or .gz) into binary shards + manifest",
-        description=__doc__.split("\n\n")[0],
+        description="Convert Criteo Kaggle train.txt or 1TB day files (plain or .gz, local "
+        "or in a bucket) into binary shards and a manifest for train --dataset_path. "
+        "See docs/data.md for the format.",
     )
     p.add_argument("--format", required=True, choices=["kaggle", "terabyte"],
                    help="kaggle: train.txt (last 1/7 held out for val/test); terabyte: "

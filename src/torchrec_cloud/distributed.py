@@ -164,10 +164,13 @@ def fused_constraints(model: torch.nn.Module) -> dict[str, ParameterConstraints]
 def build_optimizer(dmp: DistributedModelParallel, cfg: OptimizerConfig) -> CombinedOptimizer:
     """The tables' fused optimizer together with Adagrad/SGD over the dense parameters."""
     dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+    on_cpu = next(iter(dense_params.values())).device.type == "cpu"
     if cfg.dense_optimizer == "adagrad":
-        make = lambda params: torch.optim.Adagrad(params, lr=cfg.learning_rate, eps=cfg.eps)  # noqa: E731
+        # One fused kernel per step on CPU instead of four passes over every parameter.
+        kind = {"fused": True} if on_cpu else {"foreach": True}
+        make = lambda params: torch.optim.Adagrad(params, lr=cfg.learning_rate, eps=cfg.eps, **kind)  # noqa: E731
     else:
-        make = lambda params: torch.optim.SGD(params, lr=cfg.learning_rate)  # noqa: E731
+        make = lambda params: torch.optim.SGD(params, lr=cfg.learning_rate, fused=True)  # noqa: E731
     return CombinedOptimizer([dmp.fused_optimizer, KeyedOptimizerWrapper(dense_params, make)])
 
 

@@ -10,7 +10,14 @@ rank's shards, so a 40M-row table never exists whole on one process::
 from __future__ import annotations
 
 import torch
-from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRM_Projection, DLRMTrain
+from torchrec.models.dlrm import (
+    DLRM,
+    DLRM_DCN,
+    DLRM_Projection,
+    DLRMTrain,
+    InteractionArch,
+    SparseArch,
+)
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
@@ -53,4 +60,80 @@ def build_model(cfg: ModelConfig, dense_device: torch.device) -> DLRMTrain:
             interaction_branch1_layer_sizes=list(cfg.interaction_branch1_layer_sizes),
             interaction_branch2_layer_sizes=list(cfg.interaction_branch2_layer_sizes),
         )
+    _use_fast_arches(dlrm)
     return DLRMTrain(dlrm)
+
+
+# -- Cheaper, numerically identical versions of two TorchRec arches. ----------------------
+# They subclass TorchRec's modules and keep their attributes, so parameter names (and so
+# checkpoints) are unchanged.
+
+
+def _use_fast_arches(dlrm: torch.nn.Module) -> None:
+    dlrm.sparse_arch.__class__ = FlatSparseArch
+    if type(dlrm.inter_arch) is InteractionArch:
+        dlrm.inter_arch.__class__ = DotInteraction
+        dlrm.inter_arch.init_flat_indices()
+
+
+class FlatSparseArch(SparseArch):
+    """SparseArch without the split-and-concatenate of the pooled embeddings.
+
+    TorchRec's version turns the KeyedTensor into a dict of 26 views and concatenates them
+    back, a full copy forward and backward. When the keys are already in feature order (they
+    are, for our tables), the values are the [B, F*D] matrix it rebuilds.
+    """
+
+    def forward(self, features):  # type: ignore[override]
+        pooled = self.embedding_bag_collection(features)
+        # The train pipeline traces this forward only to find the sharded module's inputs;
+        # the key check is plain Python on real steps. Sharded over several ranks, the keys
+        # come grouped by rank: reorder what was pooled (the module runs once per step).
+        if not torch.fx._symbolic_trace.is_fx_tracing() and pooled.keys() != self.sparse_feature_names:
+            by_name = pooled.to_dict()
+            ordered = [by_name[name] for name in self.sparse_feature_names]
+            return torch.cat(ordered, dim=1).reshape(-1, self.F, self.D)
+        return pooled.values().reshape(-1, self.F, self.D)
+
+
+class DotInteraction(InteractionArch):
+    """DLRM's pairwise dot interaction with a cheaper backward.
+
+    Forward as TorchRec: Z = X X^T over the dense row and the F embeddings, upper triangle.
+    Autograd's backward of bmm(X, X^T) takes two bmms plus an index_put and an add; since Z is
+    symmetric, dX = (G + G^T) X is one bmm with G built by two index copies.
+    """
+
+    def init_flat_indices(self) -> None:
+        n = self.F + 1
+        rows, cols = self.triu_indices
+        self.register_buffer("flat_upper", rows * n + cols, persistent=False)
+        self.register_buffer("flat_lower", cols * n + rows, persistent=False)
+
+    def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
+        if self.F <= 0:
+            return dense_features
+        return _DotInteractionFn.apply(dense_features, sparse_features, self.flat_upper, self.flat_lower)
+
+
+class _DotInteractionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dense, sparse, flat_upper, flat_lower):  # type: ignore[override]
+        combined = torch.cat((dense.unsqueeze(1), sparse), dim=1)
+        b, n, _ = combined.shape
+        gram = torch.bmm(combined, combined.transpose(1, 2)).view(b, n * n)
+        pairs = gram.index_select(1, flat_upper)
+        ctx.save_for_backward(combined, flat_upper, flat_lower)
+        return torch.cat((dense, pairs), dim=1)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        combined, flat_upper, flat_lower = ctx.saved_tensors
+        b, n, d = combined.shape
+        grad_pairs = grad_out[:, d:]
+        sym = grad_out.new_zeros(b, n * n)
+        sym.index_copy_(1, flat_upper, grad_pairs)
+        sym.index_copy_(1, flat_lower, grad_pairs)
+        grad_combined = torch.bmm(sym.view(b, n, n), combined)
+        grad_dense = grad_combined[:, 0] + grad_out[:, :d]
+        return grad_dense, grad_combined[:, 1:], None, None

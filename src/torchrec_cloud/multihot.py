@@ -21,7 +21,9 @@ from typing import Literal, Optional, Sequence
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_cloud.config import MLPERF_MULTI_HOT_SIZES  # noqa: E402,F401 - re-exported
+from torchrec_cloud.config import MLPERF_MULTI_HOT_SIZES
+
+__all__ = ["MLPERF_MULTI_HOT_SIZES", "expand_multi_hot", "validate_sizes"]
 
 _M1 = -7046029254386353131  # splitmix64 constants as int64
 _M2 = -4658895280553007687

@@ -72,6 +72,8 @@ class Backend:
     module: str
     protocol: str
     credentials: str
+    env: tuple[str, ...] = ()
+    """Variables that select the endpoint or credentials (a change means a new client)."""
 
 
 # Cloud specifics are data: one entry per URL scheme.
@@ -81,21 +83,30 @@ BACKENDS: dict[str, Backend] = {
         "s3",
         "AWS credentials from the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
         "AWS_PROFILE) or the instance/pod role; AWS_ENDPOINT_URL for S3-compatible services",
+        ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"),
     ),
     "gs": Backend(
         "gcsfs",
         "gs",
         "Google Application Default Credentials (GOOGLE_APPLICATION_CREDENTIALS, workload "
         "identity); STORAGE_EMULATOR_HOST for an emulator",
+        ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS"),
     ),
-    "gcs": Backend("gcsfs", "gs", "Google Application Default Credentials"),
+    "gcs": Backend(
+        "gcsfs", "gs", "Google Application Default Credentials",
+        ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS"),
+    ),
     "az": Backend(
         "adlfs",
         "az",
         "AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME with a key, SAS "
         "token or managed identity",
+        ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT_KEY"),
     ),
-    "abfs": Backend("adlfs", "abfs", "as for az://"),
+    "abfs": Backend(
+        "adlfs", "abfs", "as for az://",
+        ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT_KEY"),
+    ),
 }
 
 
@@ -161,11 +172,20 @@ def filesystem(url: str) -> tuple[Any, str]:
         # An emulator takes no credentials; without this gcsfs would probe the GCE
         # metadata server.
         options["token"] = "anon"
-    try:
-        fs = fsspec.filesystem(backend.protocol, **options)
-    except Exception as e:  # noqa: BLE001 - any backend failure to build a client
-        raise _translate(url, e, "cannot create a client") from e
+    # One client per process and per endpoint/credential settings: fsspec's own cache
+    # would keep serving a client made for variables that have changed since.
+    key = (backend.protocol, os.getpid(), tuple(os.environ.get(k) for k in backend.env))
+    fs = _clients.get(key)
+    if fs is None:
+        try:
+            fs = fsspec.filesystem(backend.protocol, skip_instance_cache=True, **options)
+        except Exception as e:  # noqa: BLE001 - any backend failure to build a client
+            raise _translate(url, e, "cannot create a client") from e
+        _clients[key] = fs
     return fs, url.split("://", 1)[1]
+
+
+_clients: dict[tuple, Any] = {}
 
 
 def _translate(path: str, e: BaseException, doing: str) -> StorageError:
@@ -207,6 +227,8 @@ def open(path: str, mode: str = "rb") -> IO[Any]:  # noqa: A001 - mirrors builti
     only when the file is closed."""
     with _errors(path, f"cannot open ({mode})"):
         if not is_url(path):
+            if any(c in mode for c in "wax"):
+                os.makedirs(os.path.dirname(os.path.abspath(_local(path))), exist_ok=True)
             return builtins.open(_local(path), mode)
         fs, p = filesystem(path)
         return fs.open(p, mode)

@@ -20,7 +20,6 @@ TensorBoard event files to ``--output_dir``.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 import warnings
 from typing import Any, Iterator, Optional
@@ -28,6 +27,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from torchrec_cloud import observability
 from torchrec_cloud.checkpoint import Checkpointer, Position, Preemption
 from torchrec_cloud.config import JobConfig, add_config_flags, config_from_args
 from torchrec_cloud.data import DataSource, SyntheticSource, build_data_source
@@ -40,14 +40,7 @@ from torchrec_cloud.distributed import (
     shard_model,
 )
 from torchrec_cloud.evaluation import evaluate
-from torchrec_cloud.metrics import (
-    ConsoleSink,
-    JsonlSink,
-    MetricsSink,
-    MultiSink,
-    NullSink,
-    TensorBoardSink,
-)
+from torchrec_cloud.metrics import MetricsSink
 from torchrec_cloud.model import build_model
 
 
@@ -107,10 +100,12 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
         batches = agreed_batches(source.train_batches(epoch, first), last - first, window, preemption)
         segment_start = step
         while True:
+            t0 = time.perf_counter()
             try:
                 loss, _, _ = pipeline.progress(batches)
             except StopIteration:
                 break
+            window.in_step += time.perf_counter() - t0
             scheduler.step()
             step += 1
             window.add(loss, cfg.data.batch_size * env.world_size)
@@ -170,16 +165,13 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
 
 
 def build_sinks(cfg: JobConfig, env: Env) -> MetricsSink:
-    """Rank 0 writes metrics.jsonl, TensorBoard events and console lines; others nothing."""
-    if not env.is_main:
-        return NullSink()
+    """Rank 0 writes metrics.jsonl, TensorBoard events and console lines; with
+    --prometheus_port every rank also serves its metrics (torchrec_cloud.observability)."""
     from tqdm import tqdm
 
-    out = cfg.output.output_dir
-    sinks: list[MetricsSink] = [JsonlSink(os.path.join(out, "metrics.jsonl")), ConsoleSink(tqdm.write)]
-    if cfg.output.tensorboard:
-        sinks.append(TensorBoardSink(out))
-    return MultiSink(sinks)
+    return observability.build_sinks(
+        cfg, env.rank, env.local_rank, env.world_size, console_write=tqdm.write
+    )
 
 
 def segments(
@@ -246,7 +238,8 @@ class _Window:
         self.loss_sum: Optional[torch.Tensor] = None
         self.steps = 0
         self.samples = 0
-        self.data_wait = 0.0
+        self.data_wait = 0.0  # inside next(batch iterator)
+        self.in_step = 0.0  # inside pipeline.progress(), data wait included
         self.start = time.perf_counter()
 
     def add(self, loss: torch.Tensor, samples: int) -> None:
@@ -275,6 +268,7 @@ class _Window:
             "lr": lr,
             "world_size": env.world_size,
             "data_wait_s": self.data_wait / max(self.steps, 1),
+            "fwd_bwd_opt_s": max(self.in_step - self.data_wait, 0.0) / max(self.steps, 1),
             "step_s": seconds / max(self.steps, 1),
         }
         self._reset()
@@ -314,6 +308,7 @@ def _resume(checkpoints: Checkpointer, dmp, optimizer, scheduler, env: Env, sink
             "batch": position.batch,
             "path": target.path,
             "seconds": round(time.perf_counter() - start, 4),
+            "bytes": target.bytes,
             "saved_world_size": target.world_size,
             "world_size": env.world_size,
         }

@@ -1,0 +1,165 @@
+"""Cloud profiles: everything that differs between clusters, as data.
+
+A profile is a YAML file in ``profiles/`` (``generic``, ``aws``, ``azure``, ``gcp``) laid over
+``profiles/base.yaml``: NCCL/EFA/InfiniBand/TCPX environment, node selectors and
+tolerations, GPU and network-device resource names, the storage volume, the workload
+identity annotation, which collector scrapes the metrics (``monitoring``: a key into
+``torchrec_cloud/monitoring_profiles.yaml.j2``, the one copy of that data), instance facts (used by the manifests *and* the docs), cluster
+defaults. The templates read a :class:`Profile`; no code branches on a cloud's name, so a
+new cloud is a new YAML file::
+
+    profile = load_profile("aws")
+    profile.instance("p5.48xlarge").extra_resources   # {"vpc.amazonaws.com/efa": 32}
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from torchrec_cloud.config import ConfigError
+
+PROFILE_DIR = "profiles"
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used (unknown key, missing instance, bad YAML)."""
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One machine type a profile knows: facts for the docs, requests for the pods."""
+
+    name: str
+    gpus: int = 0
+    gpu: str = ""
+    accelerator: str = ""
+    vertex_accelerator: str = ""
+    vcpus: int = 0
+    memory: str = ""
+    network: str = ""
+    requests: dict[str, str] = field(default_factory=dict)
+    extra_resources: dict[str, int] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A cloud (or any cluster) as data; see ``profiles/base.yaml`` for what each key means."""
+
+    name: str
+    title: str
+    kubernetes: str
+    rendezvous_port: int
+    rendezvous_join_timeout_s: int
+    max_restarts: int
+    termination_grace_period_s: int
+    shutdown_margin_s: int
+    backoff_limit: int
+    metrics_port: int
+    monitoring: dict[str, Any]
+    shm_size: str
+    gpu_resource: str
+    instance_label: str
+    pod_labels: dict[str, str]
+    pod_annotations: dict[str, str]
+    extra_templates: list[str]
+    node_selector: dict[str, str]
+    tolerations: list[dict[str, Any]]
+    spot: dict[str, Any]
+    env: dict[str, str]
+    container_capabilities: list[str]
+    identity: Optional[dict[str, Any]]
+    storage: Optional[dict[str, Any]]
+    default_instance: Optional[str]
+    instances: dict[str, Instance]
+    cluster: dict[str, Any] = field(default_factory=dict)
+    image_registry: str = ""
+    object_store: str = ""
+
+    def instance(self, name: Optional[str] = None) -> Optional[Instance]:
+        """The named instance type (default: the profile's), or None for a generic cluster."""
+        name = name or self.default_instance
+        if name is None:
+            return None
+        if name not in self.instances:
+            known = ", ".join(sorted(self.instances)) or "none"
+            raise ConfigError(
+                "instance_type", f"profile {self.name!r} has no instance {name!r} (known: {known})"
+            )
+        return self.instances[name]
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def profile_names() -> list[str]:
+    """Names of the profiles shipped with the package (``base`` is not one)."""
+    folder = resources.files("torchrec_cloud.deploy").joinpath(PROFILE_DIR)
+    return sorted(
+        p.name[: -len(".yaml")]
+        for p in folder.iterdir()
+        if p.name.endswith(".yaml") and p.name != "base.yaml"
+    )
+
+
+def _read(name: str) -> dict[str, Any]:
+    if name.endswith(".yaml"):  # a profile file of the user's own
+        ref: Any = Path(name)
+    else:
+        ref = resources.files("torchrec_cloud.deploy").joinpath(PROFILE_DIR, f"{name}.yaml")
+    try:
+        text = ref.read_text(encoding="utf-8")
+    except FileNotFoundError as e:
+        raise ConfigError(
+            "cloud", f"no profile {name!r} (known: {', '.join(profile_names())})"
+        ) from e
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ProfileError(f"{PROFILE_DIR}/{name}.yaml: not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ProfileError(f"{PROFILE_DIR}/{name}.yaml: must be a mapping of keys to values")
+    return data
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """Maps merge key by key; everything else (lists, scalars) in ``over`` replaces."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def load_profile(name: str) -> Profile:
+    """Load ``profiles/<name>.yaml`` (or a path ending in ``.yaml``) over ``profiles/base.yaml``."""
+    data = _merge(_read("base"), _read(name))
+    known = {f.name for f in dataclasses.fields(Profile)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ProfileError(
+            f"{PROFILE_DIR}/{name}.yaml: unknown key(s) {unknown}; known keys: {sorted(known)}"
+        )
+    instance_fields = {f.name for f in dataclasses.fields(Instance)} - {"name"}
+    instances = {}
+    for inst_name, inst in (data.get("instances") or {}).items():
+        bad = sorted(set(inst) - instance_fields)
+        if bad:
+            raise ProfileError(
+                f"{PROFILE_DIR}/{name}.yaml: instance {inst_name!r} has unknown key(s) {bad}"
+            )
+        instances[inst_name] = Instance(name=inst_name, **inst)
+    data["instances"] = instances
+    try:
+        return Profile(**data)
+    except TypeError as e:
+        raise ProfileError(f"{PROFILE_DIR}/{name}.yaml: {e}") from e

@@ -1,0 +1,65 @@
+"""``torchrec-cloud render``: Kubernetes manifests for a training job, on stdout or in files.
+
+    torchrec-cloud render --cloud generic --launcher job --nodes 2 --gpus_per_node 1
+    torchrec-cloud render --cloud aws --launcher pytorchjob --nodes 4 --gpus_per_node 8 \\
+        --image 111122223333.dkr.ecr.us-west-2.amazonaws.com/torchrec-cloud:0.1.0 --spot \\
+        -- --preset criteo-1tb --batch_size 4096
+    torchrec-cloud render --cloud gcp --launcher trainjob --nodes 2 --gpus_per_node 8 --output out/
+    torchrec-cloud render --cloud azure --what storage | kubectl apply -f -
+
+Without ``--output`` the multi-document YAML goes to stdout (``| kubectl apply -f -``); with
+it, ``DIR/<launcher>.yaml`` (and ``DIR/storage.yaml`` where the profile has a file system).
+Bad options end with one line naming the flag, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from torchrec_cloud.deploy.manifests import render_bundle, render_storage
+from torchrec_cloud.deploy.spec import add_spec_flags, spec_from_args
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "render",
+        help="render Kubernetes manifests (Indexed Job, PyTorchJob, TrainJob) for a cloud",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_spec_flags(parser)
+    parser.add_argument(
+        "--what",
+        choices=["job", "storage"],
+        default="job",
+        help="the training job bundle (default) or the profile's storage PersistentVolume + claim",
+    )
+    parser.add_argument("--output", metavar="DIR", help="write files into DIR instead of stdout")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(ns: argparse.Namespace) -> int:
+    spec = spec_from_args(ns)
+    if ns.what == "storage":
+        text = render_storage(spec)
+        if text is None:
+            print(f"torchrec-cloud render: profile {spec.cloud!r} has no storage", file=sys.stderr)
+            return 2
+        files = {"storage.yaml": text}
+    else:
+        files = {f"{spec.launcher}.yaml": render_bundle(spec)}
+        storage = render_storage(spec) if ns.output else None
+        if storage:
+            files["storage.yaml"] = storage
+    if not ns.output:
+        sys.stdout.write(next(iter(files.values())))
+        return 0
+    out = Path(ns.output)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (out / name).write_text(text, encoding="utf-8")
+        print(out / name)
+    return 0

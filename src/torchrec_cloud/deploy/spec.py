@@ -1,0 +1,226 @@
+"""What to deploy: one typed description of a distributed training job, cloud-neutral.
+
+:class:`DeploySpec` is what ``torchrec-cloud render`` and ``torchrec-cloud submit`` parse
+their flags into; the renderers (Kubernetes manifests, Azure ML, Vertex AI, TorchX) turn a
+spec plus a :class:`~torchrec_cloud.deploy.profiles.Profile` into a job. Training flags
+(after ``--``) are checked here against the trainer's own config tree, so a manifest never
+carries a flag the image's trainer would reject::
+
+    spec = DeploySpec(cloud="generic", nodes=2, gpus_per_node=8, train_args=["--batch_size", "4096"])
+    spec.trainer_args("/workspace/runs")   # ['--preset', 'quickstart', '--output_dir', ..., '--batch_size', '4096']
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Sequence
+
+from torchrec_cloud import __version__
+from torchrec_cloud.config import PRESETS, ConfigError, add_config_flags, config_from_args, flag_kwargs
+
+LAUNCHERS = ("job", "pytorchjob", "trainjob")
+DEFAULT_IMAGE = f"torchrec-cloud:{__version__}"
+
+# Kubernetes names: DNS-1123 labels. Pod hostnames of an Indexed Job are
+# "<name>-<index>", which must stay within 63 characters.
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_MAX_NAME = 52
+
+
+class TrainFlagsError(ConfigError):
+    """A training flag (after ``--``) that the trainer would reject."""
+
+    def __init__(self, message: str) -> None:
+        ValueError.__init__(self, f"training flags after '--': {message}")
+        self.flag = "--"
+
+
+class MissingExtraError(ImportError):
+    """An optional SDK that is not installed; says which extra brings it."""
+
+    def __init__(self, module: str, extra: str) -> None:
+        super().__init__(f"{module} is not installed: pip install 'torchrec-cloud[{extra}]'")
+
+
+class _TrainFlagParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise TrainFlagsError(message)
+
+
+def _trainer_parser() -> argparse.ArgumentParser:
+    parser = _TrainFlagParser(prog="torchrec-cloud train", add_help=False)
+    add_config_flags(parser)
+    return parser
+
+
+def trainer_flags() -> set[str]:
+    """Every ``--flag`` the trainer of this checkout accepts."""
+    return {s for a in _trainer_parser()._actions for s in a.option_strings}
+
+
+@dataclass
+class DeploySpec:
+    """A distributed training job, independent of where it runs."""
+
+    cloud: str = "generic"
+    """Profile to fill the templates with (profiles/<cloud>.yaml)."""
+    launcher: Literal["job", "pytorchjob", "trainjob"] = "job"
+    """Indexed Job + headless Service (plain Kubernetes), Kubeflow v1 PyTorchJob, or Kubeflow
+    Trainer v2 TrainJob."""
+    nodes: int = 1
+    """Machines (pods) in the job."""
+    gpus_per_node: int = 8
+    """GPUs each pod requests; 0 for CPU nodes."""
+    procs_per_node: Optional[int] = None
+    """Trainer processes per node (default: one per GPU, or 1 on CPU nodes)."""
+    instance_type: Optional[str] = None
+    """Machine type from the profile (default: the profile's)."""
+    image: str = DEFAULT_IMAGE
+    """Container image built from docker/Dockerfile.cuda (or .cpu)."""
+    name: str = "torchrec-dlrm"
+    """Job name (also the headless Service's and the rendezvous id)."""
+    namespace: str = "torchrec"
+    """Kubernetes namespace (created by the bundle)."""
+    preset: str = "quickstart"
+    """Trainer preset; flags after '--' override it."""
+    data_url: Optional[str] = None
+    """Dataset folder or URL, passed as --dataset_path."""
+    checkpoint_url: Optional[str] = None
+    """Checkpoint folder or URL, passed as --checkpoint_path."""
+    spot: bool = False
+    """Run on spot/preemptible nodes (selectors and tolerations from the profile)."""
+    storage: bool = True
+    """Mount the profile's shared file system (FSx / NetApp / Filestore) if it has one."""
+    identity: Optional[str] = None
+    """Cloud identity for the service account (IAM role ARN, managed identity client id,
+    Google service account); default: the profile's example value."""
+    shm_size: Optional[str] = None
+    """Size of /dev/shm (default: the profile's)."""
+    grace_period_s: Optional[int] = None
+    """Seconds between SIGTERM and SIGKILL, for the checkpoint (default: the profile's)."""
+    backoff_limit: Optional[int] = None
+    """Pod failures tolerated, preemptions excluded (default: the profile's, per node)."""
+    train_args: list[str] = field(default_factory=list)
+    """Trainer flags, e.g. ['--batch_size', '4096']."""
+
+    def __post_init__(self) -> None:
+        if self.launcher not in LAUNCHERS:
+            raise ConfigError("launcher", f"must be one of {', '.join(LAUNCHERS)}, got {self.launcher!r}")
+        if self.nodes < 1:
+            raise ConfigError("nodes", f"must be >= 1, got {self.nodes}")
+        if self.gpus_per_node < 0:
+            raise ConfigError("gpus_per_node", f"must be >= 0, got {self.gpus_per_node}")
+        if self.procs_per_node is not None and self.procs_per_node < 1:
+            raise ConfigError("procs_per_node", f"must be >= 1, got {self.procs_per_node}")
+        if self.gpus_per_node and self.procs_per_node and self.procs_per_node != self.gpus_per_node:
+            raise ConfigError(
+                "procs_per_node",
+                f"with GPUs each process drives one GPU: must equal --gpus_per_node "
+                f"({self.gpus_per_node}), got {self.procs_per_node}",
+            )
+        for flag, value in (("name", self.name), ("namespace", self.namespace)):
+            if not _DNS_LABEL.match(value) or len(value) > _MAX_NAME:
+                raise ConfigError(
+                    flag,
+                    f"must be lower-case letters, digits and '-', start and end with a letter "
+                    f"or digit, at most {_MAX_NAME} characters; got {value!r}",
+                )
+        if self.preset not in PRESETS:
+            raise ConfigError("preset", f"must be one of {', '.join(sorted(PRESETS))}, got {self.preset!r}")
+        if not self.image.strip():
+            raise ConfigError("image", "must not be empty")
+        if self.grace_period_s is not None and self.grace_period_s < 60:
+            raise ConfigError(
+                "grace_period_s",
+                f"must be >= 60 (the trainer finishes a step and writes a checkpoint), got {self.grace_period_s}",
+            )
+        if self.backoff_limit is not None and self.backoff_limit < 0:
+            raise ConfigError("backoff_limit", f"must be >= 0, got {self.backoff_limit}")
+
+    @property
+    def procs(self) -> int:
+        """Trainer processes per node."""
+        return self.procs_per_node or self.gpus_per_node or 1
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs
+
+    def user_prometheus_port(self) -> Optional[int]:
+        """``--prometheus_port`` given among the training flags, if any (it then decides the
+        ports the manifests declare and the collectors scrape)."""
+        return getattr(_trainer_parser().parse_args(list(self.train_args)), "prometheus_port", None)
+
+    def trainer_args(self, output_root: str, metrics_args: Sequence[str] = ()) -> list[str]:
+        """Flags for ``torchrec-cloud train``: preset, data, checkpoint, output, the metrics
+        endpoint's (``--prometheus_port``, ``--prometheus_linger`` from the monitoring
+        profile), then the user's, which win: a flag the user gives is not added twice.
+        Raises :class:`ConfigError` if the combined flags would not start the trainer.
+        """
+        known = trainer_flags()
+        user = list(self.train_args)
+        user_flags = {a.split("=", 1)[0] for a in user if a.startswith("--")}
+        args = ["--preset", self.preset]
+        if self.data_url:
+            args += ["--dataset_path", self.data_url]
+        if self.checkpoint_url:
+            if "--checkpoint_path" not in known:
+                raise ConfigError(
+                    "checkpoint_url", "this trainer has no --checkpoint_path flag (checkpointing not built in)"
+                )
+            args += ["--checkpoint_path", self.checkpoint_url]
+        if "--output_dir" not in user_flags:
+            args += ["--output_dir", f"{output_root}/{self.name}"]
+        metrics_args = list(metrics_args)
+        for flag, value in zip(metrics_args[::2], metrics_args[1::2]):
+            if flag not in user_flags:
+                args += [flag, value]
+        args += user
+        ns = _trainer_parser().parse_args(args)
+        config_from_args(ns)  # raises ConfigError naming the flag for bad values
+        return args
+
+
+def add_spec_flags(parser: argparse.ArgumentParser, defaults: Optional[dict] = None) -> None:
+    """One flag per :class:`DeploySpec` field (``--nodes``, ``--spot``, ...) plus the
+    training flags after ``--``."""
+    import dataclasses
+    import typing
+
+    from torchrec_cloud.config import _field_docs
+
+    defaults = defaults or {}
+    docs = _field_docs(DeploySpec)
+    hints = typing.get_type_hints(DeploySpec)
+    for f in dataclasses.fields(DeploySpec):
+        if f.name == "train_args":
+            continue
+        tp = hints[f.name]
+        kwargs: dict = {"help": docs.get(f.name, ""), **flag_kwargs(tp)}
+        default = defaults.get(f.name, f.default)
+        if f.name == "cloud":
+            from torchrec_cloud.deploy.profiles import profile_names
+
+            kwargs["help"] = f"profile: {', '.join(profile_names())}, or a path to your own .yaml"
+        if f.name == "preset":
+            kwargs["choices"] = sorted(PRESETS)
+        kwargs["default"] = default
+        if default is not None and not isinstance(default, bool):
+            kwargs["help"] += f" (default: {default})"
+        parser.add_argument(f"--{f.name}", **kwargs)
+    parser.add_argument(
+        "train_args",
+        nargs="*",
+        metavar="-- TRAINING FLAGS",
+        help="flags for `torchrec-cloud train` after a lone '--' (e.g. -- --batch_size 4096)",
+    )
+
+
+def spec_from_args(ns: argparse.Namespace) -> DeploySpec:
+    import dataclasses
+
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(DeploySpec) if hasattr(ns, f.name)}
+    values["train_args"] = list(ns.train_args or [])
+    return DeploySpec(**values)

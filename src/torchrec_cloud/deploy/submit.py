@@ -1,0 +1,156 @@
+"""``torchrec-cloud submit``: render a training job and hand it to a cluster or a cloud service.
+
+    torchrec-cloud submit --target kubernetes --cloud aws --nodes 2 --image IMG --dry-run
+    torchrec-cloud submit --target kubernetes --cloud gcp --launcher trainjob --nodes 2 --image IMG --follow \\
+        -- --batch_size 4096
+    torchrec-cloud submit --target azureml --cloud azure --nodes 2 --image IMG \\
+        --subscription_id SUB --workspace WS --compute gpu-cluster
+    torchrec-cloud submit --target vertex --cloud gcp --nodes 2 --image IMG --project P \\
+        --staging_bucket gs://BUCKET
+
+``kubernetes`` applies the manifests of ``torchrec-cloud render`` with ``kubectl apply``
+(``--follow`` then waits for the pods and streams their logs); ``azureml`` and ``vertex``
+build the job with the cloud's SDK (extras ``azure``, ``gcp``) and submit it. ``--dry-run``
+prints exactly what would be submitted and touches nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import time
+
+from torchrec_cloud.deploy.manifests import JOB_LABEL, render_bundle
+from torchrec_cloud.deploy.profiles import load_profile
+from torchrec_cloud.deploy.spec import DeploySpec, MissingExtraError, add_spec_flags, spec_from_args
+
+
+class SubmitError(RuntimeError):
+    """Submission failed (kubectl missing or refusing, cloud API error)."""
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "submit",
+        help="submit a training job to Kubernetes (kubectl), Azure ML or Vertex AI",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--target", choices=["kubernetes", "azureml", "vertex"], default="kubernetes")
+    parser.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
+                        help="print what would be submitted; submit nothing")
+    parser.add_argument("--follow", action="store_true", help="kubernetes: wait for the pods and stream logs")
+    parser.add_argument("--kubectl", default="kubectl", help="kubectl binary (kubernetes target)")
+    azure = parser.add_argument_group("azureml target")
+    azure.add_argument("--subscription_id", help="Azure subscription id")
+    azure.add_argument("--resource_group", help="resource group of the workspace (default: the profile's)")
+    azure.add_argument("--workspace", help="Azure ML workspace name")
+    azure.add_argument("--compute", default="gpu-cluster", help="Azure ML compute cluster (default: gpu-cluster)")
+    vertex = parser.add_argument_group("vertex target")
+    vertex.add_argument("--project", help="Google Cloud project (default: the profile's)")
+    vertex.add_argument("--region", help="Vertex AI region (default: the profile's)")
+    vertex.add_argument("--staging_bucket", help="gs:// bucket for outputs (metrics.jsonl under runs/)")
+    add_spec_flags(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _require(ns: argparse.Namespace, *names: str) -> None:
+    from torchrec_cloud.config import ConfigError
+
+    for name in names:
+        if not getattr(ns, name):
+            raise ConfigError(name, f"is required for --target {ns.target} (unless --dry-run)")
+
+
+def submit_kubernetes(spec: DeploySpec, dry_run: bool, follow: bool, kubectl: str = "kubectl") -> int:
+    bundle = render_bundle(spec)
+    selector = f"{JOB_LABEL}={spec.name}"
+    apply_cmd = [kubectl, "apply", "-f", "-"]
+    wait_cmd = [kubectl, "wait", "-n", spec.namespace, "--for=condition=Ready", "pod", "-l", selector, "--timeout=60m"]
+    logs_cmd = [kubectl, "logs", "-f", "-n", spec.namespace, "-l", selector, "--prefix",
+                f"--max-log-requests={spec.nodes}", "--tail=-1"]
+    if dry_run:
+        sys.stdout.write(bundle)
+        print(f"# would run: {' '.join(apply_cmd)}  (the YAML above on stdin)", file=sys.stderr)
+        print(f"# then watch: {' '.join(logs_cmd)}", file=sys.stderr)
+        return 0
+    if shutil.which(kubectl) is None:
+        raise SubmitError(f"{kubectl!r} not found on PATH: install kubectl and point it at your cluster "
+                          "(or use --dry-run / torchrec-cloud render)")
+    done = subprocess.run(apply_cmd, input=bundle, text=True)
+    if done.returncode != 0:
+        raise SubmitError(f"kubectl apply failed with exit code {done.returncode}")
+    if not follow:
+        print(f"submitted; logs: {' '.join(logs_cmd)}")
+        return 0
+    # Pods appear a moment after the Job; `kubectl wait` fails if none exist yet.
+    for _ in range(60):
+        pods = subprocess.run([kubectl, "get", "pods", "-n", spec.namespace, "-l", selector, "-o", "name"],
+                              capture_output=True, text=True)
+        if pods.stdout.strip():
+            break
+        time.sleep(5)
+    subprocess.run(wait_cmd)
+    return subprocess.run(logs_cmd).returncode
+
+
+def submit_azureml(spec: DeploySpec, ns: argparse.Namespace) -> int:
+    from torchrec_cloud.deploy import azureml
+
+    job = azureml.build_command_job(spec, compute=ns.compute)
+    if ns.dry_run:
+        sys.stdout.write(azureml.dump_job(job))
+        return 0
+    resource_group = ns.resource_group or load_profile(spec.cloud).cluster.get("resource_group")
+    ns.resource_group = resource_group
+    _require(ns, "subscription_id", "resource_group", "workspace")
+    created = azureml.submit_job(job, ns.subscription_id, resource_group, ns.workspace)
+    print(f"submitted {created.name}: {created.studio_url}")
+    return 0
+
+
+def submit_vertex(spec: DeploySpec, ns: argparse.Namespace) -> int:
+    from torchrec_cloud.deploy import vertex
+
+    job = vertex.build_custom_job(spec, staging_bucket=ns.staging_bucket)
+    if ns.dry_run:
+        print(vertex.dump_job(job))
+        return 0
+    cluster = load_profile(spec.cloud).cluster
+    ns.project = ns.project or cluster.get("project")
+    ns.region = ns.region or cluster.get("region")
+    _require(ns, "project", "region")
+    created = vertex.submit_job(job, ns.project, ns.region)
+    print(f"submitted {created.name}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """``submit`` alone, without the other sub-commands' imports (the cloud scripts use it)."""
+    from torchrec_cloud.cli import OneLineParser
+    from torchrec_cloud.config import ConfigError
+
+    parser = OneLineParser(prog="torchrec-cloud")
+    add_parser(parser.add_subparsers(dest="command", parser_class=OneLineParser))
+    ns = parser.parse_args(["submit", *argv])
+    try:
+        return ns.func(ns)
+    except ConfigError as e:
+        print(f"torchrec-cloud submit: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(ns: argparse.Namespace) -> int:
+    spec = spec_from_args(ns)
+    try:
+        if ns.target == "kubernetes":
+            return submit_kubernetes(spec, ns.dry_run, ns.follow, ns.kubectl)
+        if ns.target == "azureml":
+            return submit_azureml(spec, ns)
+        return submit_vertex(spec, ns)
+    except (SubmitError, MissingExtraError) as e:
+        print(f"torchrec-cloud submit: error: {e}", file=sys.stderr)
+        return 1

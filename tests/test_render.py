@@ -1,0 +1,484 @@
+"""Rendered Kubernetes manifests: valid against the real schemas, wired correctly.
+
+Core kinds are checked with kubernetes-validate (strict: unknown fields fail) for the
+oldest and newest Kubernetes we target; PyTorchJob and TrainJob with jsonschema against
+the openAPIV3Schema of their CRDs in shared/schemas/, the collectors' PodMonitoring and
+PodMonitor against theirs in tests/schemas/, made strict the same way.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import re
+import shlex
+from functools import lru_cache
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from torchrec_cloud.config import ConfigError
+from torchrec_cloud.deploy.manifests import LAUNCHER_TEMPLATES, load_documents, render_bundle, render_storage
+from torchrec_cloud.deploy.profiles import load_profile, profile_names
+from torchrec_cloud.deploy.spec import DeploySpec, TrainFlagsError
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMAS = ROOT.parent / "shared" / "schemas"
+if not SCHEMAS.is_dir():  # a worktree beside /work/shared
+    SCHEMAS = Path("/work/shared/schemas")
+K8S_VERSIONS = ["1.31", kubernetes_validate.utils.latest_version()]
+CLOUDS = profile_names()
+LOCAL_SCHEMAS = ROOT / "tests" / "schemas"
+CRD_FILES = {
+    ("kubeflow.org/v1", "PyTorchJob"): SCHEMAS / "kubeflow.org_pytorchjobs.yaml",
+    ("trainer.kubeflow.org/v1alpha1", "TrainJob"): SCHEMAS / "trainer.kubeflow.org_trainjobs.yaml",
+    ("monitoring.googleapis.com/v1", "PodMonitoring"): LOCAL_SCHEMAS / "monitoring.googleapis.com_podmonitorings.yaml",
+    ("azmonitoring.coreos.com/v1", "PodMonitor"): LOCAL_SCHEMAS / "azmonitoring.coreos.com_podmonitors.yaml",
+}
+# What each cloud's collector needs beside the pod metadata (monitoring_profiles.yaml.j2).
+COLLECTOR_KINDS = {"aws": ["ConfigMap", "ConfigMap"], "azure": ["PodMonitor"], "gcp": ["PodMonitoring"], "generic": []}
+
+
+def collector_kinds(cloud: str, launcher: str) -> list[str]:
+    # A TrainJob cannot declare container ports; the CloudWatch agent's Kubernetes discovery
+    # and the AKS PodMonitor find ranks by declared port only, so nothing is rendered for them.
+    if launcher == "trainjob" and cloud in ("aws", "azure"):
+        return []
+    return COLLECTOR_KINDS[cloud]
+
+
+def _strict(schema):
+    """Reject unknown fields, as the API server's strict field validation does."""
+    schema = copy.deepcopy(schema)
+
+    def walk(node):
+        if isinstance(node, dict):
+            if (
+                node.get("type") == "object"
+                and "properties" in node
+                and "additionalProperties" not in node
+                and not node.get("x-kubernetes-preserve-unknown-fields")
+            ):
+                node["additionalProperties"] = False
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(schema)
+    return schema
+
+
+@lru_cache(maxsize=None)
+def crd_validator(api_version: str, kind: str):
+    assert SCHEMAS.is_dir(), f"CRD schemas not found at {SCHEMAS} (shared/schemas beside the repository)"
+    crd = yaml.safe_load(CRD_FILES[(api_version, kind)].read_text())
+    version = api_version.split("/")[1]
+    (v,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    schema = _strict(v["schema"]["openAPIV3Schema"])
+    return jsonschema.Draft7Validator(schema)
+
+
+@lru_cache(maxsize=None)
+def core_validator(version: str, api_version: str, kind: str):
+    """kubernetes-validate's strict schema for a kind, compiled once (its validate() reloads
+    the definitions file on every call)."""
+    from referencing import Registry, Resource
+
+    from kubernetes_validate.utils import all_versions, major_minor, schema_contents
+
+    (resolved,) = [v for v in all_versions() if major_minor(v) == major_minor(version)][-1:]
+    group = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+    folder = f"kubernetes-json-schema/v{resolved}-local-strict"
+    schema = schema_contents(f"{folder}/{kind.lower()}-{group}.json", version)
+    definitions = schema_contents(f"{folder}/_definitions.json", version)
+    registry = Resource.from_contents(definitions) @ (Resource.from_contents(schema) @ Registry())
+    return jsonschema.Draft202012Validator(schema, registry=registry)
+
+
+def validate(doc: dict) -> None:
+    key = (doc["apiVersion"], doc["kind"])
+    validators = [crd_validator(*key)] if key in CRD_FILES else [core_validator(v, *key) for v in K8S_VERSIONS]
+    for validator in validators:
+        errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.path))
+        assert not errors, "\n".join(f"{doc['kind']} {list(e.path)}: {e.message}" for e in errors[:10])
+
+
+def test_validators_reject_what_the_api_server_rejects():
+    """The checks above can fail: an unknown field and a wrong type are caught."""
+    job = by_kind(render(cloud="generic", launcher="job", nodes=2, gpus_per_node=1), "Job")
+    bad = copy.deepcopy(job)
+    bad["spec"]["template"]["spec"]["containers"][0]["comand"] = ["x"]
+    with pytest.raises(AssertionError, match="comand"):
+        validate(bad)
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSIONS[-1], strict=True)
+    tj = by_kind(render(cloud="generic", launcher="trainjob", nodes=2, gpus_per_node=1), "TrainJob")
+    tj["spec"]["trainer"]["numNodes"] = "two"
+    with pytest.raises(AssertionError, match="numNodes"):
+        validate(tj)
+    pm = by_kind(render(cloud="gcp", launcher="job", nodes=2, gpus_per_node=1), "PodMonitoring")
+    del pm["spec"]["endpoints"][0]["interval"]
+    pm["spec"]["endpoints"][0]["pth"] = "/metrics"
+    with pytest.raises(AssertionError, match="interval(.|\n)*pth|pth(.|\n)*interval"):
+        validate(pm)
+    pmon = by_kind(render(cloud="azure", launcher="job", nodes=2, gpus_per_node=1), "PodMonitor")
+    pmon["spec"]["podMetricsEndpoints"][0]["interval"] = "30 seconds"
+    with pytest.raises(AssertionError, match="interval"):
+        validate(pmon)
+
+
+def render(**kw) -> list[dict]:
+    return load_documents(render_bundle(DeploySpec(**kw)))
+
+
+def by_kind(docs: list[dict], kind: str) -> dict:
+    (doc,) = [d for d in docs if d["kind"] == kind]
+    return doc
+
+
+@pytest.mark.parametrize("cloud", CLOUDS)
+@pytest.mark.parametrize("launcher", list(LAUNCHER_TEMPLATES))
+@pytest.mark.parametrize("spot", [False, True])
+def test_every_cloud_and_launcher_renders_valid_objects(cloud, launcher, spot):
+    docs = render(cloud=cloud, launcher=launcher, nodes=3, gpus_per_node=8, spot=spot,
+                  train_args=["--batch_size", "4096"])
+    kinds = [d["kind"] for d in docs]
+    expected = {"job": ["Service", "Job"], "pytorchjob": ["PyTorchJob"], "trainjob": ["TrainJob"]}[launcher]
+    assert kinds == ["Namespace", "ServiceAccount", *expected, *collector_kinds(cloud, launcher)]
+    for doc in docs:
+        validate(doc)
+    text = render_bundle(DeploySpec(cloud=cloud, launcher=launcher, nodes=3, gpus_per_node=8, spot=spot))
+    profile = load_profile(cloud)
+    for key, value in profile.env.items():
+        assert key in text and str(value) in text
+    if spot:
+        for key in profile.spot["node_selector"]:
+            assert key in text
+
+
+@pytest.mark.parametrize("cloud", CLOUDS)
+def test_storage_manifests_are_valid(cloud):
+    text = render_storage(DeploySpec(cloud=cloud))
+    if load_profile(cloud).storage is None:
+        assert text is None
+        return
+    docs = load_documents(text)
+    assert [d["kind"] for d in docs] == ["PersistentVolume", "PersistentVolumeClaim"]
+    for doc in docs:
+        validate(doc)
+    pv, pvc = docs
+    assert pvc["spec"]["volumeName"] == pv["metadata"]["name"]
+    assert pv["spec"]["claimRef"] == {"namespace": pvc["metadata"]["namespace"], "name": pvc["metadata"]["name"]}
+    job = by_kind(render(cloud=cloud, launcher="job", nodes=2, gpus_per_node=8), "Job")
+    claims = [v["persistentVolumeClaim"]["claimName"] for v in job["spec"]["template"]["spec"]["volumes"]
+              if "persistentVolumeClaim" in v]
+    assert claims == [pvc["metadata"]["name"]]
+
+
+def test_indexed_job_wiring():
+    docs = render(cloud="aws", launcher="job", nodes=4, gpus_per_node=8, name="dlrm-a", namespace="team",
+                  train_args=["--batch_size", "4096"])
+    svc, job = by_kind(docs, "Service"), by_kind(docs, "Job")
+    pod = job["spec"]["template"]
+    spec = pod["spec"]
+    # The Service exists in the same bundle, is headless, and selects exactly these pods.
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert spec["subdomain"] == svc["metadata"]["name"]
+    assert svc["metadata"]["namespace"] == job["metadata"]["namespace"] == "team"
+    assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert job["spec"]["completionMode"] == "Indexed"
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == 4
+    (c,) = spec["containers"]
+    script = c["args"][0]
+    words = shlex.split(script.split("exec ", 1)[1].replace("\\\n", " "))
+    assert words[0] == "torchrun"
+    flags = dict(w.split("=", 1) for w in words if w.startswith("--") and "=" in w)
+    # Pod 0's stable name: $(job-name)-0.$(subdomain).
+    assert flags["--rdzv_endpoint"] == f"dlrm-a-0.{svc['metadata']['name']}:{svc['spec']['ports'][0]['port']}"
+    assert flags["--rdzv_backend"] == "c10d"
+    assert flags["--nnodes"] == "4" and flags["--nproc_per_node"] == "8"
+    assert words[words.index("-m") + 1 : words.index("-m") + 3] == ["torchrec_cloud", "train"]
+    assert "--batch_size" in words and "4096" in words
+    # Node index from the Job controller's annotation; pod 0 hosts the rendezvous store.
+    env = {e["name"]: e for e in c["env"]}
+    assert env["JOB_COMPLETION_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    )
+    assert 'if [ "${JOB_COMPLETION_INDEX}" = "0" ]; then is_host=1' in script
+    assert "--rdzv_conf=is_host=${is_host},join_timeout=1800,read_timeout=1800" in script
+    # Checkpoint on SIGTERM: torchrun gives workers less time than the kubelet gives the pod.
+    grace = spec["terminationGracePeriodSeconds"]
+    assert grace >= 300 and 0 < int(flags["--shutdown_timeout"]) < grace
+    assert spec["restartPolicy"] == "Never"
+    (rule,) = job["spec"]["podFailurePolicy"]["rules"]
+    assert rule == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    # /dev/shm is memory-backed and sized; one pod per node.
+    shm = next(v for v in spec["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    (term,) = spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert c["resources"]["limits"] == {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 4}
+    assert spec["securityContext"]["runAsNonRoot"] is True
+
+
+def test_pytorchjob_runs_torchrun_in_container_named_pytorch():
+    pj = by_kind(render(cloud="gcp", launcher="pytorchjob", nodes=2, gpus_per_node=8), "PyTorchJob")
+    worker = pj["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert set(pj["spec"]["pytorchReplicaSpecs"]) == {"Worker"}  # elastic: workers only
+    assert worker["replicas"] == 2
+    (c,) = worker["template"]["spec"]["containers"]
+    assert c["name"] == "pytorch" and c["command"] == ["torchrun"]
+    assert c["args"][c["args"].index("-m") + 1 :][:2] == ["torchrec_cloud", "train"]
+    assert not any(a.startswith(("--rdzv", "--nnodes", "--master")) for a in c["args"])  # operator's job
+    ep = pj["spec"]["elasticPolicy"]
+    assert ep["rdzvBackend"] == "c10d" and ep["minReplicas"] == ep["maxReplicas"] == 2
+    assert pj["spec"]["nprocPerNode"] == "8"
+    assert {c["key"]: c["value"] for c in ep["rdzvConf"]} == {"join_timeout": "1800", "read_timeout": "1800"}
+
+
+def _runtime_container_name() -> str:
+    # The runtime is Helm-templated: read it as text. Its one container is the trainer.
+    text = (SCHEMAS / "torch-distributed-runtime.yaml").read_text()
+    assert re.search(r"^\s+- name: node\n\s+template:", text, re.M), "replicated job 'node' not found"
+    return re.search(r"containers:\n\s+- name: (\S+)", text).group(1)
+
+
+def test_trainjob_references_torch_distributed_runtime():
+    tj = by_kind(render(cloud="azure", launcher="trainjob", nodes=3, gpus_per_node=8), "TrainJob")
+    assert tj["spec"]["runtimeRef"]["name"] == "torch-distributed"
+    trainer = tj["spec"]["trainer"]
+    assert trainer["numNodes"] == 3 and trainer["numProcPerNode"] == 8
+    assert trainer["command"] == ["torchrun"]
+    assert "--rdzv_conf=timeout=1800" in trainer["args"]
+    assert trainer["args"][trainer["args"].index("-m") + 1 :][:2] == ["torchrec_cloud", "train"]
+    assert trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == 8
+    (patch,) = tj["spec"]["runtimePatches"]
+    (rj,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    assert rj["name"] == "node"
+    pod = rj["template"]["spec"]["template"]
+    assert [c["name"] for c in pod["spec"]["containers"]] == [_runtime_container_name()]
+    assert pod["metadata"]["labels"]["azure.workload.identity/use"] == "true"
+    assert pod["spec"]["serviceAccountName"] == "torchrec-trainer"
+
+
+def test_workload_identity_is_an_annotation_not_a_secret():
+    for cloud in CLOUDS:
+        docs = render(cloud=cloud, launcher="job", nodes=2, gpus_per_node=8, identity="ID-123")
+        sa = by_kind(docs, "ServiceAccount")
+        identity = load_profile(cloud).identity
+        if identity:
+            assert sa["metadata"]["annotations"] == {identity["annotation"]: "ID-123"}
+        text = yaml.safe_dump_all(docs)
+        assert "secretKeyRef" not in text and "kind: Secret" not in text
+
+
+def _code_only(path: Path) -> str:
+    """A file's code without docstrings and comments (usage examples may name clouds)."""
+    text = path.read_text()
+    if path.suffix != ".py":
+        return re.sub(r"\{#.*?#\}|^\s*#.*$", "", text, flags=re.M | re.S)
+    tree = ast.parse(text)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list):
+            node.body = [s for s in body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)
+                                                  and isinstance(s.value.value, str))] or [ast.Pass()]
+    return ast.unparse(tree)  # comments are gone too
+
+
+def test_a_new_cloud_is_only_data(tmp_path):
+    """Profiles cannot leak into the core: a cloud the code has never heard of renders."""
+    profile = tmp_path / "othercloud.yaml"
+    profile.write_text(yaml.safe_dump({
+        "name": "othercloud", "title": "Other", "kubernetes": "OKS",
+        "gpu_resource": "amd.com/gpu", "default_instance": "big-8",
+        "instances": {"big-8": {"gpus": 8, "requests": {"cpu": "60"}, "extra_resources": {"example.com/nic": 2}}},
+        "env": {"OTHER_NET": "fast"}, "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "identity": {"annotation": "other.example.com/identity", "example": "me"},
+    }))
+    for launcher in LAUNCHER_TEMPLATES:
+        docs = render(cloud=str(profile), launcher=launcher, nodes=2, gpus_per_node=8)
+        for doc in docs:
+            validate(doc)
+        text = yaml.safe_dump_all(docs)
+        for needle in ("amd.com/gpu", "example.com/nic", "OTHER_NET", "other.example.com/identity", "big-8"):
+            assert needle in text, (launcher, needle)
+    core = [ROOT / "src/torchrec_cloud/deploy" / n for n in ("manifests.py", "spec.py", "profiles.py", "render.py")]
+    # Storage templates are per storage kind (picked by a profile's data), so they may name it.
+    storage_templates = {(load_profile(c).storage or {}).get("template") for c in CLOUDS}
+    core += sorted(p for p in (ROOT / "src/torchrec_cloud/deploy/templates").glob("*.j2")
+                   if p.name not in storage_templates and not p.name.startswith("cluster_")
+                   and not p.name.startswith("README"))
+    for path in core:
+        words = set(re.findall(r"[a-z0-9]+", _code_only(path).lower()))
+        assert not words & {"aws", "azure", "gcp", "eks", "aks", "gke", "efa"}, path
+
+
+def test_cpu_nodes_request_no_gpu():
+    job = by_kind(render(cloud="generic", launcher="job", nodes=2, gpus_per_node=0, procs_per_node=2), "Job")
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    assert "resources" not in c
+    assert "--nproc_per_node=2" in c["args"][0]
+
+
+@pytest.mark.parametrize(
+    "kw, flag",
+    [
+        (dict(nodes=0), "nodes"),
+        (dict(name="Bad_Name"), "name"),
+        (dict(cloud="aws", gpus_per_node=16), "gpus_per_node"),
+        (dict(cloud="aws", instance_type="p9.huge"), "instance_type"),
+        (dict(grace_period_s=5), "grace_period_s"),
+        (dict(train_args=["--batch_size", "0"]), "batch_size"),
+        (dict(train_args=["--embedding_dim", "32"]), "dense_arch_layer_sizes"),
+    ],
+)
+def test_bad_options_name_the_flag(kw, flag):
+    with pytest.raises(ConfigError) as e:
+        render_bundle(DeploySpec(**kw))
+    assert e.value.flag == flag, str(e.value)
+
+
+def test_unknown_training_flag_is_rejected():
+    with pytest.raises(TrainFlagsError, match="--no_such_flag"):
+        render_bundle(DeploySpec(train_args=["--no_such_flag", "1"]))
+
+
+def _pod_and_trainer(docs: list[dict], launcher: str) -> tuple[dict, list[dict], list[str], int]:
+    """(pod template, declared container ports, `torchrec-cloud train` flags, processes per
+    pod) of a bundle, read from where each launcher keeps them."""
+    if launcher == "job":
+        pod = by_kind(docs, "Job")["spec"]["template"]
+        (c,) = pod["spec"]["containers"]
+        words = shlex.split(c["args"][0].split("exec ", 1)[1].replace("\\\n", " "))
+        nproc = int(next(w for w in words if w.startswith("--nproc_per_node=")).split("=", 1)[1])
+        return pod, c.get("ports", []), words[words.index("train") + 1 :], nproc
+    if launcher == "pytorchjob":
+        pj = by_kind(docs, "PyTorchJob")
+        pod = pj["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+        (c,) = pod["spec"]["containers"]
+        return pod, c.get("ports", []), c["args"][c["args"].index("train") + 1 :], int(pj["spec"]["nprocPerNode"])
+    tj = by_kind(docs, "TrainJob")
+    (rj,) = tj["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    pod = rj["template"]["spec"]["template"]
+    (c,) = pod["spec"]["containers"]
+    args = tj["spec"]["trainer"]["args"]
+    return pod, c.get("ports", []), args[args.index("train") + 1 :], tj["spec"]["trainer"]["numProcPerNode"]
+
+
+def _seconds(duration: str) -> int:
+    value, unit = re.fullmatch(r"(\d+)(s|m)", duration).groups()
+    return int(value) * (60 if unit == "m" else 1)
+
+
+@pytest.mark.parametrize("cloud", CLOUDS)
+@pytest.mark.parametrize("launcher", list(LAUNCHER_TEMPLATES))
+@pytest.mark.parametrize("gpus", [1, 8])
+def test_collectors_scrape_the_ports_the_ranks_listen_on(cloud, launcher, gpus):
+    """Rank r of a pod serves on --prometheus_port + r (the trainer's rule): the declared
+    container ports, the scrape annotations and the collector's objects must name exactly
+    those ports, select these pods, and scrape before the endpoint goes away."""
+    from torchrec_cloud.config import config_from_args
+    from torchrec_cloud.deploy.spec import _trainer_parser
+
+    docs = render(cloud=cloud, launcher=launcher, nodes=2, gpus_per_node=gpus, name="dlrm-a", namespace="ml")
+    pod, ports, trainer_args, nproc = _pod_and_trainer(docs, launcher)
+    assert nproc == gpus
+    assert trainer_args.count("--prometheus_port") == 1 and trainer_args.count("--prometheus_linger") == 1
+    out = config_from_args(_trainer_parser().parse_args(trainer_args)).output
+    listening = [out.prometheus_port + r for r in range(nproc)]
+    assert out.metrics_host == "0.0.0.0"  # reachable from the collector, not only inside the pod
+
+    labels, annotations = pod["metadata"]["labels"], pod["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == str(listening[0])
+    by_name = {p["name"]: p["containerPort"] for p in ports}
+    metrics_names = sorted(n for n in by_name if n.startswith("metrics-"))
+    if launcher == "trainjob":
+        # The TrainJob API cannot declare container ports (runtime patches take env, name,
+        # securityContext, volumeMounts only); collectors that take numbers get numbers.
+        assert ports == []
+    else:
+        assert sorted(by_name[n] for n in metrics_names) == listening
+        assert len(set(by_name.values())) == len(by_name)  # no clash with the rendezvous port
+
+    def resolve(port) -> int:
+        return port if isinstance(port, int) else by_name[port]
+
+    collectors = [d for d in docs if d["kind"] in ("PodMonitoring", "PodMonitor", "ConfigMap")]
+    assert [d["kind"] for d in collectors] == collector_kinds(cloud, launcher)
+    for doc in collectors:
+        if doc["kind"] in ("PodMonitoring", "PodMonitor"):
+            assert doc["metadata"]["namespace"] == "ml"
+            assert doc["spec"]["selector"]["matchLabels"].items() <= labels.items()
+            endpoints = doc["spec"].get("endpoints") or doc["spec"]["podMetricsEndpoints"]
+            assert all(e["path"] == "/metrics" and _seconds(e["interval"]) < out.prometheus_linger for e in endpoints)
+            assert sorted(resolve(e["port"]) for e in endpoints) == listening
+        elif doc["metadata"]["name"] == "prometheus-config":
+            config = yaml.safe_load(doc["data"]["prometheus.yaml"])
+            assert _seconds(config["global"]["scrape_interval"]) < out.prometheus_linger
+            (job,) = config["scrape_configs"]
+            assert job["kubernetes_sd_configs"][0]["namespaces"]["names"] == ["ml"]
+            pod_meta = {f"__meta_kubernetes_pod_label_{re.sub(r'[^a-zA-Z0-9_]', '_', k)}": v for k, v in labels.items()}
+            for rule in (r for r in job["relabel_configs"] if r.get("action") == "keep"):
+                (source,) = rule["source_labels"]
+                if source == "__meta_kubernetes_pod_container_port_name":
+                    kept = [by_name[n] for n in by_name if re.fullmatch(rule["regex"], n)]
+                    assert sorted(kept) == listening
+                else:
+                    assert re.fullmatch(rule["regex"], pod_meta[source]), rule
+
+
+def test_a_prometheus_port_among_the_training_flags_moves_every_scrape_target():
+    docs = render(cloud="gcp", launcher="job", nodes=2, gpus_per_node=2, train_args=["--prometheus_port", "31000"])
+    pod, ports, trainer_args, _ = _pod_and_trainer(docs, "job")
+    assert trainer_args.count("--prometheus_port") == 1
+    assert trainer_args[trainer_args.index("--prometheus_port") + 1] == "31000"
+    assert [p["containerPort"] for p in ports if p["name"].startswith("metrics-")] == [31000, 31001]
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "31000"
+
+
+def test_monitoring_data_has_one_home():
+    """The per-cloud scrape data lives in monitoring_profiles.yaml.j2 only: the deployment
+    profiles name an entry of it, and no deploy file spells a collector's API."""
+    from torchrec_cloud.observability import monitoring_clouds
+
+    for cloud in CLOUDS:
+        assert load_profile(cloud).monitoring["profile"] in monitoring_clouds()
+    deploy = ROOT / "src/torchrec_cloud/deploy"
+    templates = [p for p in deploy.glob("templates/*.j2") if not p.name.startswith("README")]  # docs may cite them
+    for path in [*deploy.glob("*.py"), *deploy.glob("profiles/*.yaml"), *templates]:
+        text = path.read_text()
+        for needle in ("monitoring.googleapis.com", "azmonitoring.coreos.com", "prometheus-cwagentconfig", "metrics-{"):
+            assert needle not in text, (path, needle)
+
+
+def test_more_local_ranks_than_one_podmonitoring_takes():
+    """PodMonitoring allows 10 endpoints: 12 CPU processes per pod need two objects."""
+    docs = render(cloud="gcp", launcher="job", nodes=2, gpus_per_node=0, procs_per_node=12)
+    monitors = [d for d in docs if d["kind"] == "PodMonitoring"]
+    assert len(monitors) == 2 and len({m["metadata"]["name"] for m in monitors}) == 2
+    for m in monitors:
+        validate(m)
+    _, ports, _, _ = _pod_and_trainer(docs, "job")
+    by_name = {p["name"]: p["containerPort"] for p in ports}
+    scraped = sorted(by_name[e["port"]] for m in monitors for e in m["spec"]["endpoints"])
+    port = load_profile("gcp").metrics_port
+    assert scraped == list(range(port, port + 12))
+
+
+def test_a_profile_naming_an_unknown_collector_says_so(tmp_path):
+    profile = tmp_path / "mine.yaml"
+    profile.write_text(yaml.safe_dump({"name": "mine", "title": "Mine", "kubernetes": "K",
+                                       "monitoring": {"profile": "nosuchcollector"}}))
+    from torchrec_cloud.deploy.profiles import ProfileError
+
+    with pytest.raises(ProfileError, match="nosuchcollector.*aws, azure, gcp, generic"):
+        render_bundle(DeploySpec(cloud=str(profile), gpus_per_node=0))
