@@ -57,13 +57,13 @@ import threading
 import time
 import warnings
 from concurrent.futures import Future
-from typing import Any, Callable, Optional
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from torchrec_cloud import storage
 from torchrec_cloud.config import ConfigError, JobConfig
+
+if TYPE_CHECKING:  # torch loads only where a command needs it: `checkpoint ls` does not
+    import torch
 
 COMMIT_FILE = "COMMIT.json"
 FORMAT_VERSION = 1
@@ -251,6 +251,7 @@ def apply_retention(root: str, keep: int) -> list[str]:
 
 def _rng_state() -> dict[str, Any]:
     import numpy as np
+    import torch
 
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
@@ -264,6 +265,7 @@ def _rng_state() -> dict[str, Any]:
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     import numpy as np
+    import torch
 
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
@@ -295,6 +297,7 @@ def _private_copy(state: Any) -> Any:
     buffer: once per table (26 x 650 MB for the quickstart model, 30 s instead of 1).
     Cloning a shard copies only its own rows.
     """
+    import torch
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 
     if isinstance(state, dict):
@@ -431,6 +434,8 @@ def _one_line(text: str, limit: int = 600) -> str:
 def _agree(env, fn: Callable[[], Any], flag: str) -> Any:
     """Run ``fn`` on rank 0 and hand its result, or its error, to every rank, so a bad
     path fails all ranks at start-up instead of leaving some waiting in a collective."""
+    import torch.distributed as dist
+
     box: list[Any] = [None]
     if env.rank == 0:
         try:
@@ -471,6 +476,8 @@ class Checkpointer:
     """
 
     def __init__(self, cfg: JobConfig, env, sink) -> None:
+        import torch.distributed as dist
+
         self.cfg = cfg
         self.ck = cfg.checkpoint
         self.env = env
@@ -508,6 +515,8 @@ class Checkpointer:
             error = _one_line(str(e))
         errors = [error]
         if self.env.world_size > 1:
+            import torch.distributed as dist
+
             errors = [None] * self.env.world_size
             dist.all_gather_object(errors, error)
         for rank, message in enumerate(errors):
@@ -596,6 +605,7 @@ class Checkpointer:
             return
         waited = time.perf_counter()
         self.wait()  # the previous background save commits first; training waits for it too
+        import torch.distributed as dist
         from torch.distributed.checkpoint import async_save, save
 
         start = time.perf_counter()
