@@ -120,6 +120,19 @@ def test_damaged_or_uncommitted_checkpoint_is_skipped(sync_run, tmp_path, capsys
     assert code == 1 and "INCOMPLETE" in out
 
 
+def test_resume_from_an_older_checkpoint_warns_about_newer_ones(sync_run, tmp_path):
+    _, sync_root, sync_result = sync_run
+    root = tmp_path / "ckpt"
+    shutil.copytree(sync_root, root)
+    older = root / "step_00000003"
+    flags = [*SHORT, "--checkpoint_path", str(root), "--checkpoint_keep", "0", "--resume_from", str(older)]
+    with pytest.warns(checkpoint.CheckpointWarning, match=r"already holds step_00000006, newer than --resume_from"):
+        result = train(config(tmp_path / "out", *flags))
+    (resumed,) = records(tmp_path / "out", "resume")
+    assert resumed["step"] == 3 and resumed["path"] == str(older)
+    assert scores(result) == scores(sync_result)
+
+
 def test_resume_from_a_path_that_is_not_a_checkpoint_fails_before_training(tmp_path, capsys):
     bogus = tmp_path / "not-a-checkpoint"
     bogus.mkdir()
