@@ -29,6 +29,7 @@ COMMANDS = {
     "render": "torchrec_cloud.deploy.render",
     "submit": "torchrec_cloud.deploy.submit",
     "data": "torchrec_cloud.criteo",
+    "checkpoint": "torchrec_cloud.checkpoint",
 }
 
 

@@ -262,6 +262,45 @@ class OutputConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Sharded checkpoints (torch.distributed.checkpoint) to a folder or a bucket, and resuming."""
+
+    checkpoint_path: Optional[str] = None
+    """Folder or URL (s3://, gs://, az://) that checkpoints are written under; a run
+    resumes from the newest complete one there. Unset: no checkpoints."""
+    checkpoint_interval: int = 0
+    """Save every this many steps (0: only at the end and on SIGTERM)."""
+    checkpoint_keep: int = 3
+    """Keep the newest this many complete checkpoints, deleting older ones (0: keep all)."""
+    resume_from: Optional[str] = None
+    """Resume from this checkpoint (a step_NNNNNNNN folder, or a folder of them: its newest
+    complete one) instead of the newest under --checkpoint_path."""
+    async_checkpoint: bool = False
+    """Write checkpoints in a background thread; training waits only while the state is
+    copied in memory."""
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint_interval", self.checkpoint_interval, allow_zero=True)
+        _positive("checkpoint_keep", self.checkpoint_keep, allow_zero=True)
+        for flag in ("checkpoint_path", "resume_from"):
+            value = getattr(self, flag)
+            if value is None:
+                continue
+            if not value.strip():
+                raise ConfigError(flag, "must not be empty")
+            from torchrec_cloud import storage  # light: cloud packages load only on use
+
+            try:
+                storage.scheme(value)
+            except storage.StorageError as e:
+                raise ConfigError(flag, str(e)) from e
+        if self.checkpoint_path is None:
+            for flag in ("checkpoint_interval", "async_checkpoint"):
+                if getattr(self, flag):
+                    raise ConfigError(flag, "needs --checkpoint_path (where to write checkpoints)")
+
+
+@dataclass
 class JobConfig:
     """Everything a training run needs."""
 
@@ -270,13 +309,14 @@ class JobConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     preset: str = "quickstart"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-SECTIONS = ("model", "data", "optimizer", "train", "output")
+SECTIONS = ("model", "data", "optimizer", "train", "output", "checkpoint")
 
 
 # ---------------------------------------------------------------------------------------

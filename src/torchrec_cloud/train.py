@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from torchrec_cloud import observability
+from torchrec_cloud.checkpoint import Checkpointer, Position, Preemption
 from torchrec_cloud.config import JobConfig, add_config_flags, config_from_args
 from torchrec_cloud.data import DataSource, SyntheticSource, build_data_source
 from torchrec_cloud.distributed import (
@@ -50,6 +51,9 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
     torch.manual_seed(cfg.data.seed + env.rank)
     source = source or build_data_source(cfg, env.rank, env.world_size)
     sink = build_sinks(cfg, env)
+    # Storage access and the checkpoint to resume are checked before anything is built.
+    checkpoints = Checkpointer(cfg, env, sink)
+    preemption = Preemption(enabled=checkpoints.enabled)  # SIGTERM: finish the step, save, exit 0
     from tqdm import tqdm
 
     # -- build -------------------------------------------------------------------------
@@ -76,53 +80,85 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
         start_record["bayes_auc"] = source.bayes_auc("val")
     sink.log(start_record)
 
+    # -- resume ------------------------------------------------------------------------
+    position = Position()
+    if checkpoints.resume_target is not None:
+        position = _resume(checkpoints, dmp, optimizer, scheduler, env, sink)
+
     # -- loop --------------------------------------------------------------------------
     batches_per_epoch = source.num_train_batches()
     total_steps = cfg.train.num_epochs * batches_per_epoch
-    bar = tqdm(total=total_steps, disable=not (env.is_main and cfg.output.progress), unit="step")
-    step, window = 0, _Window()
+    bar = tqdm(
+        total=total_steps, initial=position.step, disable=not (env.is_main and cfg.output.progress), unit="step"
+    )
+    start_step = step = position.step
+    window = _Window()
     last_val: dict[str, float] = {}
+    intervals = (cfg.train.eval_every, cfg.checkpoint.checkpoint_interval)
     run_start = time.perf_counter()
-    for epoch in range(cfg.train.num_epochs):
-        for first, last in segments(batches_per_epoch, cfg.train.eval_every, step):
-            batches = agreed_batches(source.train_batches(epoch, first), last - first, window)
-            while True:
-                t0 = time.perf_counter()
-                try:
-                    loss, _, _ = pipeline.progress(batches)
-                except StopIteration:
-                    break
-                window.in_step += time.perf_counter() - t0
-                scheduler.step()
-                step += 1
-                window.add(loss, cfg.data.batch_size * env.world_size)
-                bar.update(1)
-                if step % cfg.train.log_every == 0:
-                    record = window.record(step, epoch, env, scheduler.current_lr())
-                    bar.set_postfix(loss=f"{record['loss']:.4f}", sps=f"{record['samples_per_s']:.0f}")
-                    sink.log(record)
-            if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-                last_val = _evaluate(pipeline, source, "val", step, epoch, env, sink)
-        if window.steps:
+    for epoch, first, last in segments(position, cfg.train.num_epochs, batches_per_epoch, intervals):
+        batches = agreed_batches(source.train_batches(epoch, first), last - first, window, preemption)
+        segment_start = step
+        while True:
+            t0 = time.perf_counter()
+            try:
+                loss, _, _ = pipeline.progress(batches)
+            except StopIteration:
+                break
+            window.in_step += time.perf_counter() - t0
+            scheduler.step()
+            step += 1
+            window.add(loss, cfg.data.batch_size * env.world_size)
+            bar.update(1)
+            if step % cfg.train.log_every == 0:
+                record = window.record(step, epoch, env, scheduler.current_lr())
+                bar.set_postfix(loss=f"{record['loss']:.4f}", sps=f"{record['samples_per_s']:.0f}")
+                sink.log(record)
+        position = Position.after(step, epoch, first + step - segment_start, batches_per_epoch)
+        if preemption.stop:
+            break
+        if last == batches_per_epoch and window.steps:
             sink.log(window.record(step, epoch, env, scheduler.current_lr()))
+        if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+            last_val = _evaluate(pipeline, source, "val", step, epoch, env, sink)
+        if checkpoints.due(step):
+            checkpoints.save(position, dmp, optimizer, scheduler)
+        checkpoints.poll()
     bar.close()
     train_seconds = time.perf_counter() - run_start
+    trained_steps = step - start_step
 
     # -- evaluate ----------------------------------------------------------------------
-    if not (cfg.train.eval_every and step % cfg.train.eval_every == 0):
-        last_val = _evaluate(pipeline, source, "val", step, cfg.train.num_epochs - 1, env, sink)
-    test = _evaluate(pipeline, source, "test", step, cfg.train.num_epochs - 1, env, sink)
+    test: dict[str, float] = {}
+    if not preemption.stop:
+        if not (cfg.train.eval_every and step % cfg.train.eval_every == 0 and last_val):
+            last_val = _evaluate(pipeline, source, "val", step, cfg.train.num_epochs - 1, env, sink)
+        test = _evaluate(pipeline, source, "test", step, cfg.train.num_epochs - 1, env, sink)
+
+    # -- save --------------------------------------------------------------------------
+    # A run stopped before its first step has nothing new to save (and little grace time).
+    if not (preemption.stop and step == start_step):
+        checkpoints.save(position, dmp, optimizer, scheduler, reason="preempted" if preemption.stop else "end")
+    checkpoints.close()
+    preemption.close()
     sink.log(
         {
             "event": "end",
             "step": step,
             "world_size": env.world_size,
             "seconds": round(train_seconds, 3),
-            "samples_per_s": step * cfg.data.batch_size * env.world_size / max(train_seconds, 1e-9),
+            "samples_per_s": trained_steps * cfg.data.batch_size * env.world_size / max(train_seconds, 1e-9),
+            "preempted": preemption.stop,
         }
     )
     sink.close()
-    return {"step": step, "val": last_val, "test": test, "world_size": env.world_size}
+    return {
+        "step": step,
+        "val": last_val,
+        "test": test,
+        "world_size": env.world_size,
+        "preempted": preemption.stop,
+    }
 
 
 # -- helpers beside the loop ----------------------------------------------------------
@@ -138,40 +174,55 @@ def build_sinks(cfg: JobConfig, env: Env) -> MetricsSink:
     )
 
 
-def segments(batches_per_epoch: int, eval_every: int, step: int) -> Iterator[tuple[int, int]]:
-    """Split an epoch into [first, last) batch ranges that end where an evaluation is due.
+def segments(
+    start: Position, num_epochs: int, batches_per_epoch: int, intervals: tuple[int, ...]
+) -> Iterator[tuple[int, int, int]]:
+    """``(epoch, first, last)`` batch ranges from ``start`` to the end of training, each
+    ending where the step count reaches a multiple of one of ``intervals`` (evaluation,
+    checkpoints) or at the end of an epoch.
 
-    The pipeline drains at each boundary, so evaluation sees the model after exactly the
-    batches before it.
+    The pipeline drains at each boundary, so evaluation and checkpoints see the model after
+    exactly the batches before them, with none in flight, and the data position is exact.
     """
-    first = 0
-    while first < batches_per_epoch:
-        last = batches_per_epoch
-        if eval_every:
-            due = eval_every - (step + first) % eval_every
-            last = min(last, first + due)
-        yield first, last
-        first = last
+    step, first = start.step, start.batch
+    for epoch in range(start.epoch, num_epochs):
+        while first < batches_per_epoch:
+            last = batches_per_epoch
+            for every in intervals:
+                if every:
+                    last = min(last, first + every - step % every)
+            yield epoch, first, last
+            step += last - first
+            first = last
+        first = 0
 
 
-def agreed_batches(batches: Iterator, limit: int, window: "_Window") -> Iterator:
-    """Yield at most ``limit`` batches, stopping on every rank as soon as any rank runs out.
+def agreed_batches(batches: Iterator, limit: int, window: "_Window", preemption: Preemption) -> Iterator:
+    """Yield at most ``limit`` batches, stopping on every rank as soon as any rank runs out
+    or any rank received SIGTERM.
 
     Ranks with unequal batch counts would otherwise hang in the embedding all-to-all; one
-    tiny all-reduce per batch makes them stop together.
+    tiny all-reduce per batch makes them stop together. The same all-reduce carries the
+    preemption flag, so all ranks stop after the same step and save the same position.
     """
     distributed = dist.get_world_size() > 1
     for _ in range(limit):
         t0 = time.perf_counter()
         batch = next(batches, None)
         window.data_wait += time.perf_counter() - t0
+        stop = preemption.requested
         if distributed:
-            have = torch.tensor([0 if batch is None else 1])
-            dist.all_reduce(have, op=dist.ReduceOp.MIN)
-            if not bool(have.item()):
+            # MIN of (have a batch, not preempted): one collective for both agreements.
+            flags = torch.tensor([0 if batch is None else 1, 0 if stop else 1])
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+            if not bool(flags[0].item()):
                 if batch is not None:
                     warnings.warn("another rank ran out of training batches; stopping the epoch on all ranks")
                 return
+            stop = not bool(flags[1].item())
+        if stop:
+            preemption.stop = True
+            return
         if batch is None:
             return
         yield batch
@@ -243,6 +294,26 @@ def _evaluate(pipeline, source, split, step, epoch, env, sink) -> dict[str, floa
         }
     )
     return metrics
+
+
+def _resume(checkpoints: Checkpointer, dmp, optimizer, scheduler, env: Env, sink: MetricsSink) -> Position:
+    start = time.perf_counter()
+    target = checkpoints.resume_target
+    position = checkpoints.load(dmp, optimizer, scheduler)
+    sink.log(
+        {
+            "event": "resume",
+            "step": position.step,
+            "epoch": position.epoch,
+            "batch": position.batch,
+            "path": target.path,
+            "seconds": round(time.perf_counter() - start, 4),
+            "bytes": target.bytes,
+            "saved_world_size": target.world_size,
+            "world_size": env.world_size,
+        }
+    )
+    return position
 
 
 # -- CLI ---------------------------------------------------------------------------------
