@@ -100,9 +100,15 @@ def cloud_image(profile: Profile) -> str:
 
 
 def cloud_spec(profile: Profile, launcher: str = "job") -> DeploySpec:
+    """The committed example: 2 nodes, criteo-1tb, checkpoints on the shared volume so a
+    preempted pod resumes where the job stopped."""
     instance = profile.instance()
+    storage = profile.storage or {}
+    checkpoints = f"{storage['mount_path']}/checkpoints/torchrec-dlrm" if storage else None
+    train_args = ["--checkpoint_interval", "1000", "--async_checkpoint"] if checkpoints else []
     return DeploySpec(cloud=profile.name, launcher=launcher, nodes=2, gpus_per_node=instance.gpus,
-                      image=cloud_image(profile), preset="criteo-1tb")
+                      image=cloud_image(profile), preset="criteo-1tb", checkpoint_url=checkpoints,
+                      train_args=train_args)
 
 
 def cloud_files(profile: Profile, root: Path = REPO_ROOT) -> dict[str, str]:
@@ -117,6 +123,7 @@ def cloud_files(profile: Profile, root: Path = REPO_ROOT) -> dict[str, str]:
                   monitoring=build_context(spec, profile)["monitoring"],
                   image=spec.image, namespace=spec.namespace, service_account=SERVICE_ACCOUNT,
                   dataset_dir=(profile.storage or {}).get("dataset_dir", ""), version=__version__,
+                  storage_mount=(profile.storage or {}).get("mount_path", ""),
                   node_groups=groups, stack=read_stack(root))
     out = {
         f"{profile.name}/{c['file']}": render_template(c["template"], **common),
