@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torchrec.distributed import DistributedModelParallel
-from torchrec.distributed.model_parallel import get_default_sharders
+from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, get_default_sharders
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 from torchrec.distributed.planner.types import ParameterConstraints
@@ -26,6 +26,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+from torchrec_cloud import cpu_rowwise_adagrad
 from torchrec_cloud.config import JobConfig, OptimizerConfig
 
 
@@ -117,6 +118,10 @@ def shard_model(
     model: torch.nn.Module, cfg: JobConfig, env: Env
 ) -> tuple[DistributedModelParallel, ShardingPlan]:
     """Fuse row-wise Adagrad into the tables' backward, plan with the real topology, shard."""
+    if env.device.type == "cpu" and cfg.optimizer.cpu_embedding_update == "torch":
+        cpu_rowwise_adagrad.install()
+    else:
+        cpu_rowwise_adagrad.uninstall()
     apply_optimizer_in_backward(
         RowWiseAdagrad,
         model.model.sparse_arch.parameters(),
@@ -136,8 +141,18 @@ def shard_model(
         plan=plan,
         sharders=sharders,
         device=env.device,
+        data_parallel_wrapper=_DataParallelAcrossRanks(),
     )
     return dmp, plan
+
+
+class _DataParallelAcrossRanks(DefaultDataParallelWrapper):
+    """DDP for the dense part, except in a world of one: there it would only add a forward
+    wrapper, gradient-bucket copies and an all-reduce with itself to every step."""
+
+    def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
+        if env.world_size > 1:
+            super().wrap(dmp, env, device)
 
 
 def fused_constraints(model: torch.nn.Module) -> dict[str, ParameterConstraints]:

@@ -101,39 +101,43 @@ class DotInteraction(InteractionArch):
 
     Forward as TorchRec: Z = X X^T over the dense row and the F embeddings, upper triangle.
     Autograd's backward of bmm(X, X^T) takes two bmms plus an index_put and an add; since Z is
-    symmetric, dX = (G + G^T) X is one bmm with G built by two index copies.
+    symmetric, dX = (G + G^T) X is one bmm, with G + G^T gathered from the pair gradients in
+    one index_select (``sym_source`` maps each of the n*n entries to its pair, or to an
+    appended zero column on the diagonal).
     """
 
     def init_flat_indices(self) -> None:
         n = self.F + 1
         rows, cols = self.triu_indices
+        pairs = rows.numel()
+        sym_source = torch.full((n * n,), pairs, dtype=torch.long)
+        sym_source[rows * n + cols] = torch.arange(pairs)
+        sym_source[cols * n + rows] = torch.arange(pairs)
         self.register_buffer("flat_upper", rows * n + cols, persistent=False)
-        self.register_buffer("flat_lower", cols * n + rows, persistent=False)
+        self.register_buffer("sym_source", sym_source, persistent=False)
 
     def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
         if self.F <= 0:
             return dense_features
-        return _DotInteractionFn.apply(dense_features, sparse_features, self.flat_upper, self.flat_lower)
+        return _DotInteractionFn.apply(dense_features, sparse_features, self.flat_upper, self.sym_source)
 
 
 class _DotInteractionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, dense, sparse, flat_upper, flat_lower):  # type: ignore[override]
+    def forward(ctx, dense, sparse, flat_upper, sym_source):  # type: ignore[override]
         combined = torch.cat((dense.unsqueeze(1), sparse), dim=1)
         b, n, _ = combined.shape
         gram = torch.bmm(combined, combined.transpose(1, 2)).view(b, n * n)
         pairs = gram.index_select(1, flat_upper)
-        ctx.save_for_backward(combined, flat_upper, flat_lower)
+        ctx.save_for_backward(combined, sym_source)
         return torch.cat((dense, pairs), dim=1)
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        combined, flat_upper, flat_lower = ctx.saved_tensors
+        combined, sym_source = ctx.saved_tensors
         b, n, d = combined.shape
-        grad_pairs = grad_out[:, d:]
-        sym = grad_out.new_zeros(b, n * n)
-        sym.index_copy_(1, flat_upper, grad_pairs)
-        sym.index_copy_(1, flat_lower, grad_pairs)
+        padded = torch.cat((grad_out[:, d:], grad_out.new_zeros(b, 1)), dim=1)
+        sym = padded.index_select(1, sym_source)
         grad_combined = torch.bmm(sym.view(b, n, n), combined)
         grad_dense = grad_combined[:, 0] + grad_out[:, :d]
         return grad_dense, grad_combined[:, 1:], None, None

@@ -1,0 +1,204 @@
+"""Row-wise Adagrad in backward for TorchRec's fused tables on CPU, without fbgemm's CPU kernel.
+
+fbgemm's CPU backward (``split_embedding_backward_codegen_rowwise_adagrad_cpu``) loops over
+the tables one by one, sorting each table's ids and opening parallel regions per table:
+at batch 2048 with 26 tables it takes ~1.2 ms per table, most of it fixed cost, and is the
+largest non-matmul item of a CPU training step. This module does the same update for all
+tables at once with a handful of whole-batch tensor ops:
+
+1. every id becomes a global row of the flat weight buffer (table offset + id);
+2. one sort groups repeated rows; each row's gradient is the sum of the pooled gradients
+   of the bags it occurs in (gathered straight from the ``(B, total_D)`` output gradient);
+3. ``h += mean(g^2)``; ``w -= lr * g / (sqrt(h) + eps)``, as fbgemm's exact row-wise Adagrad.
+
+It writes into the same ``weights_host`` / ``momentum1_host`` tensors that TorchRec's
+sharded modules, optimizer state and checkpoints expose, so nothing outside the update
+changes. The forward pass stays fbgemm's own lookup.
+
+It is installed by :func:`install` as the CPU branch of fbgemm's row-wise Adagrad lookup
+and handles the common case (float32 weights, sum or mean pooling, optional per-sample
+weights, one embedding dim per TBE, no gradient clipping, max-norm or weight decay);
+anything else goes to fbgemm unchanged. ``--cpu_embedding_update fbgemm`` switches it off.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+_ORIGINAL: Optional[Callable[..., torch.Tensor]] = None
+_POOLING_SUM, _POOLING_MEAN = 0, 1
+_SPARSE_DTYPE_FP32 = 0
+
+
+class _RowwiseAdagradLookup(torch.autograd.Function):
+    """Pooled lookup whose backward applies exact row-wise Adagrad to the touched rows."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        placeholder: torch.Tensor,
+        weights: torch.Tensor,
+        momentum: torch.Tensor,
+        row_base: torch.Tensor,
+        common: Any,
+        optimizer_args: Any,
+        momentum1: Any,
+        kwargs: dict,
+        lr: float,
+    ) -> torch.Tensor:
+        # fbgemm's own lookup; autograd is off inside Function.forward, so it only looks up
+        assert _ORIGINAL is not None
+        out = _ORIGINAL(common, optimizer_args, momentum1, **kwargs)
+        ctx.save_for_backward(common.indices, common.offsets)
+        ctx.indice_weights = common.indice_weights
+        ctx.weights, ctx.momentum, ctx.row_base = weights, momentum, row_base
+        ctx.pooling_mode, ctx.lr, ctx.eps = common.pooling_mode, lr, optimizer_args.eps
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple:  # type: ignore[override]
+        indices, offsets = ctx.saved_tensors
+        with torch.no_grad():
+            rowwise_adagrad_update(
+                ctx.weights,
+                ctx.momentum,
+                ctx.row_base,
+                indices,
+                offsets,
+                grad_output,
+                lr=ctx.lr,
+                eps=ctx.eps,
+                indice_weights=ctx.indice_weights,
+                mean_pooling=ctx.pooling_mode == _POOLING_MEAN,
+            )
+        return (None,) * 9
+
+
+def rowwise_adagrad_update(
+    weights: torch.Tensor,
+    momentum: torch.Tensor,
+    row_base: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    grad_output: torch.Tensor,
+    *,
+    lr: float,
+    eps: float,
+    indice_weights: Optional[torch.Tensor] = None,
+    mean_pooling: bool = False,
+) -> None:
+    """Apply exact row-wise Adagrad in place for one batch of bags.
+
+    ``weights`` is the flat buffer of T features' tables viewed as ``(rows, D)``;
+    ``momentum`` has one entry per row; ``row_base[t]`` is feature t's first row; bags are
+    laid out feature-major (``offsets`` has T*B+1 entries), as in a KeyedJaggedTensor;
+    ``grad_output`` is ``(B, T*D)``.
+    """
+    num_features = row_base.numel()
+    num_bags = offsets.numel() - 1
+    batch = num_bags // num_features
+    dim = weights.shape[1]
+    n = indices.numel()
+    if n == 0 or batch == 0:
+        return
+    offsets = offsets.long()
+    lengths = offsets[1:] - offsets[:-1]
+    one_per_bag = n == num_bags and bool((lengths == 1).all())
+    bag_ids = torch.arange(num_bags, device=indices.device)
+    bag = bag_ids if one_per_bag else torch.repeat_interleave(bag_ids, lengths, output_size=n)
+    feature = torch.div(bag, batch, rounding_mode="floor")
+    rows = indices.long() + row_base.index_select(0, feature)
+    # row of grad_output viewed as (B * T, D) that holds each id's pooled gradient
+    grad_rows = (bag - feature * batch) * num_features + feature
+
+    sorted_rows, order = torch.sort(rows)
+    uniq, inverse, counts = torch.unique_consecutive(sorted_rows, return_inverse=True, return_counts=True)
+    source = grad_rows.index_select(0, order)
+    scale = None
+    if indice_weights is not None or mean_pooling:
+        scale = torch.ones(n, dtype=grad_output.dtype, device=grad_output.device)
+        if indice_weights is not None:
+            scale = scale * indice_weights.to(grad_output.dtype)
+        if mean_pooling:
+            scale = scale / lengths.clamp_min(1).to(grad_output.dtype).index_select(0, bag)
+        scale = scale.index_select(0, order)
+    grads = grad_output.reshape(-1, dim)
+    first = counts.cumsum(0) - counts
+    grad = grads.index_select(0, source.index_select(0, first))
+    if scale is not None:
+        grad.mul_(scale.index_select(0, first).unsqueeze(1))
+    if uniq.numel() != n:  # rows that occur more than once: add the other occurrences
+        repeat = torch.ones(n, dtype=torch.bool, device=indices.device)
+        repeat[first] = False
+        rest = repeat.nonzero().squeeze(1)
+        extra = grads.index_select(0, source.index_select(0, rest))
+        if scale is not None:
+            extra.mul_(scale.index_select(0, rest).unsqueeze(1))
+        grad.index_add_(0, inverse.index_select(0, rest), extra)
+
+    state = momentum.index_select(0, uniq).add_(torch.linalg.vector_norm(grad, dim=1).square_().div_(dim))
+    momentum.index_copy_(0, uniq, state)
+    grad.mul_(state.sqrt_().add_(eps).reciprocal_().mul_(-lr).unsqueeze(1))
+    weights.index_add_(0, uniq, grad)
+
+
+def _fast_path(common: Any, optimizer_args: Any, momentum1: Any, extra: dict) -> Optional[tuple]:
+    """The tensors the fast update needs, or None when this call must go to fbgemm."""
+    host = common.host_weights
+    if host.numel() == 0 or host.dtype != torch.float32 or host.device.type != "cpu":
+        return None
+    if common.pooling_mode not in (_POOLING_SUM, _POOLING_MEAN) or common.output_dtype != _SPARSE_DTYPE_FP32:
+        return None
+    if common.vbe_metadata is not None and common.vbe_metadata.B_offsets is not None:
+        return None
+    if common.feature_requires_grad is not None or set(extra) - {"mixed_D"}:
+        return None
+    if optimizer_args.gradient_clipping or optimizer_args.max_norm or optimizer_args.weight_decay:
+        return None
+    d_offsets = common.D_offsets.long()
+    dims = d_offsets[1:] - d_offsets[:-1]
+    if dims.numel() == 0 or not bool((dims == dims[0]).all()):
+        return None
+    dim = int(dims[0])
+    weights_offsets = common.weights_offsets.long()
+    if bool((weights_offsets % dim != 0).any()) or host.numel() % dim != 0:
+        return None
+    row_base = weights_offsets // dim
+    if momentum1 is None or not torch.equal(momentum1.offsets.long(), row_base):
+        return None
+    momentum = momentum1.host
+    if momentum.dtype != torch.float32 or momentum.numel() * dim != host.numel():
+        return None
+    return host.detach().view(-1, dim), momentum.detach(), row_base
+
+
+def _invoke(common: Any, optimizer_args: Any, momentum1: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    assert _ORIGINAL is not None
+    fast = None if args else _fast_path(common, optimizer_args, momentum1, kwargs)
+    if fast is None or not torch.is_grad_enabled():
+        return _ORIGINAL(common, optimizer_args, momentum1, *args, **kwargs)
+    weights, momentum, row_base = fast
+    lr = float(common.learning_rate_tensor)
+    return _RowwiseAdagradLookup.apply(
+        common.placeholder_autograd_tensor, weights, momentum, row_base, common, optimizer_args, momentum1, kwargs, lr
+    )
+
+
+def install() -> None:
+    """Route fbgemm's CPU row-wise Adagrad lookups through :func:`rowwise_adagrad_update`."""
+    global _ORIGINAL
+    from fbgemm_gpu.split_embedding_codegen_lookup_invokers import lookup_rowwise_adagrad
+
+    if _ORIGINAL is None:
+        _ORIGINAL = lookup_rowwise_adagrad.invoke
+    lookup_rowwise_adagrad.invoke = _invoke
+
+
+def uninstall() -> None:
+    """Give fbgemm its own CPU kernel back."""
+    from fbgemm_gpu.split_embedding_codegen_lookup_invokers import lookup_rowwise_adagrad
+
+    if _ORIGINAL is not None:
+        lookup_rowwise_adagrad.invoke = _ORIGINAL
