@@ -134,6 +134,8 @@ class _DotInteractionFn(torch.autograd.Function):
         sym = grad_out.new_zeros(b, n * n)
         sym.index_copy_(1, flat_upper, grad_pairs)
         sym.index_copy_(1, flat_lower, grad_pairs)
-        grad_combined = torch.bmm(sym.view(b, n, n), combined)
+        # Under autocast the pair gradients arrive in bfloat16 while ``combined`` was saved in
+        # float32 (cat promotes); the backward runs outside autocast, so match dtypes here.
+        grad_combined = torch.bmm(sym.view(b, n, n).to(combined.dtype), combined)
         grad_dense = grad_combined[:, 0] + grad_out[:, :d]
         return grad_dense, grad_combined[:, 1:], None, None
