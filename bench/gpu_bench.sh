@@ -9,7 +9,7 @@
 #   bash .gpu/bench/gpu_bench.sh info quickstart   # phases run in order; logs go to $OUT
 #
 # Phases: info (versions, nvidia-smi, NVML test), quickstart, criteo, profile_quickstart,
-# profile_criteo.
+# profile_criteo, ab (AB_VARIANTS="base src": .gpu/src_base against .gpu/src, same machine).
 set -u
 OUT=${OUT:-/tmp/gpu_bench_out}
 mkdir -p "$OUT"
@@ -99,12 +99,27 @@ criteo() {
 profile_quickstart() {
   STEPS=20 bench "profile quickstart ${PROF_PRECISION:-bf16} b65536" --precision "${PROF_PRECISION:-bf16}" \
     --profile "$OUT/prof_quickstart.txt" -- --preset quickstart --batch_size 65536 "${COMMON[@]}"
+  gzip -f "$OUT"/*.trace.json 2>/dev/null
 }
 
 profile_criteo() {
   STEPS=20 bench "profile criteo-1tb(cap $CAP) ${PROF_PRECISION:-bf16} b65536" --precision "${PROF_PRECISION:-bf16}" \
     --profile "$OUT/prof_criteo.txt" -- --preset criteo-1tb --batch_size 65536 \
     --num_embeddings_per_feature "$CRITEO_ROWS" "${COMMON[@]}"
+  gzip -f "$OUT"/*.trace.json 2>/dev/null
+}
+
+# A/B of source variants (.gpu/src_<name>, beside .gpu/src) on the same machine.
+ab() {
+  local q=(--preset quickstart "${COMMON[@]}")
+  local c=(--preset criteo-1tb --num_embeddings_per_feature "$CRITEO_ROWS" "${COMMON[@]}")
+  for p in ${AB_PRECISIONS:-bf16}; do
+    for v in ${AB_VARIANTS:-base src}; do
+      local src=$G/src_$v; [ "$v" = src ] && src=$G/src
+      PYTHONPATH=$src:/tmp/site bench "ab[$v] quickstart $p b65536" --precision $p -- "${q[@]}" --batch_size 65536
+      PYTHONPATH=$src:/tmp/site bench "ab[$v] criteo-1tb $p b65536" --precision $p -- "${c[@]}" --batch_size 65536
+    done
+  done
 }
 
 setup
