@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import lzma
 import os
 import re
 import struct
@@ -95,7 +94,7 @@ def containers(data: bytearray, base: int, size: int):
             csize, = struct.unpack_from("<I", data, e + 16)
             arch, = struct.unpack_from("<I", data, e + 28)
             flags, = struct.unpack_from("<Q", data, e + 40)
-            entries.append(dict(kind=kind, arch=arch, flags=flags, payload=e + ehsz, size=psize, csize=csize))
+            entries.append({"kind": kind, "arch": arch, "flags": flags, "payload": e + ehsz, "size": psize, "csize": csize})
             e += ehsz + psize
         yield pos, entries
         pos = end
@@ -172,7 +171,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         with open(out, "wb") as f:
             f.write(packed)
-    lzma.LZMADecompressor()  # the GPU machine unpacks with Python's lzma: no xz needed there
     print(f"{out}: {len(packed) / 2**20:.1f} MiB", file=sys.stderr)
     return 0
 

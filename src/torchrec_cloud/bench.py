@@ -141,7 +141,8 @@ def worker_ours(cfg, steps: int, warmup: int, precision: str = "fp32", profile: 
     seconds = time.perf_counter() - start
     done = steps
     if profile:
-        from torch.profiler import ProfilerActivity, profile as torch_profile
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
         with torch_profile(activities=activities) as prof:
