@@ -22,3 +22,63 @@ def test_bench_json_last_line_has_every_figure():
     # FLOPs per sample of the quickstart dense compute: MLPs + interaction, fwd + bwd.
     assert 2.5e6 < result["flops_per_sample"] < 4.0e6
     assert "hand-written PyTorch" in proc.stdout
+
+
+def test_precision_defaults_to_fp32_and_rejects_unknown_values():
+    import argparse
+
+    import pytest
+    import torch
+
+    from torchrec_cloud import bench
+
+    parser = bench.add_parser(argparse.ArgumentParser().add_subparsers())
+    assert parser.parse_args([]).precision == "fp32"
+    before = torch.backends.cuda.matmul.allow_tf32
+    with bench.precision_context("fp32", torch.device("cpu")):
+        assert not torch.is_autocast_enabled("cpu")
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+    with bench.precision_context("bf16", torch.device("cpu")):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    with pytest.raises(ValueError, match="--precision"):
+        bench.precision_context("fp16", torch.device("cpu"))
+
+
+def test_dot_interaction_trains_under_bf16_autocast():
+    # Under autocast the MLP output is bfloat16 and the pooled embeddings float32; the
+    # interaction's hand-written backward must cope and give the float32 gradients back.
+    import torch
+    from torchrec.models.dlrm import InteractionArch
+
+    from torchrec_cloud.model import DotInteraction
+
+    torch.manual_seed(0)
+    arch = InteractionArch(num_sparse_features=5)
+    arch.__class__ = DotInteraction
+    arch.init_flat_indices()
+    dense = torch.randn(16, 8, requires_grad=True)
+    sparse = torch.randn(16, 5, 8, requires_grad=True)
+    weight = torch.randn(8 + 15)
+
+    def grads(autocast: bool):
+        dense.grad = sparse.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            d = dense.to(torch.bfloat16) if autocast else dense
+            out = arch(d, sparse)
+        (out.float() @ weight).sum().backward()
+        return dense.grad.clone(), sparse.grad.clone()
+
+    ref, low = grads(False), grads(True)
+    assert low[1].dtype == torch.float32
+    for r, g in zip(ref, low):
+        assert (g - r).norm() / r.norm() < 3e-2
+
+
+def test_bench_worker_runs_in_bf16():
+    proc = run([PYTHON, "-m", "torchrec_cloud", "bench", "--worker", "ours", "--steps", "2", "--warmup", "1",
+                "--precision", "bf16", "--", "--synthetic", "random", "--batch_size", "64", "--num_embeddings", "100",
+                "--embedding_dim", "8", "--dense_arch_layer_sizes", "16,8", "--over_arch_layer_sizes", "16,1",
+                "--no-progress", "--no-tensorboard"])  # fmt: skip
+    assert proc.returncode == 0, explain(proc)
+    result = json.loads(proc.stdout.strip().splitlines()[-1][len("BENCH "):])
+    assert result["precision"] == "bf16" and result["samples_per_s"] > 0

@@ -120,3 +120,29 @@ def test_built_model_keeps_torchrec_parameter_names():
     names = [n for n, _ in build_model(cfg.model, dense_device=torch.device("cpu")).named_parameters()]
     assert "model.sparse_arch.embedding_bag_collection.embedding_bags.t_cat_0.weight" in names
     assert any(n.startswith("model.over_arch.") for n in names)
+
+
+def test_misaligned_first_layers_pad_on_gpu_only_and_keep_their_parameters():
+    # 13 dense features and the 415-wide dot-interaction output: padded to 16 and 416 on a
+    # GPU (fast cuBLAS kernels), the same nn.Linear on a CPU; shapes and names unchanged.
+    from torchrec_cloud.model import AlignedLinear, aligned_linear
+
+    cfg = parse_job_config(["--embedding_dim", "64", "--num_embeddings", "50"])
+    dlrm = build_model(cfg.model, dense_device=torch.device("cpu")).model
+    first_dense = dlrm.dense_arch.model._mlp[0]._linear
+    first_over = next(m for m in dlrm.over_arch.modules() if isinstance(m, torch.nn.Linear))
+    assert type(first_dense) is AlignedLinear and first_dense.weight.shape == (512, 13)
+    assert type(first_over) is AlignedLinear and first_over.weight.shape == (512, 64 + 26 * 27 // 2)
+
+    torch.manual_seed(0)
+    x = torch.randn(32, 13, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, 13, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(8, dtype=torch.float64)
+    out = aligned_linear(x, w, b)
+    ref = torch.nn.functional.linear(x, w, b)
+    torch.testing.assert_close(out, ref)
+    (gx, gw) = torch.autograd.grad(out.sum(), (x, w))
+    (rx, rw) = torch.autograd.grad(ref.sum(), (x, w))
+    torch.testing.assert_close(gx, rx)
+    torch.testing.assert_close(gw, rw)
+    torch.testing.assert_close(first_dense(x.float()), torch.nn.functional.linear(x.float(), first_dense.weight, first_dense.bias))

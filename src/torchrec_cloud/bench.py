@@ -12,11 +12,18 @@ batches (so data generation is not measured):
   the same MLPs and dot interaction, Adagrad.
 - ``bound``: FLOPs per training sample (forward + backward, counted by torch's
   FlopCounterMode) divided by the float32 matmul rate measured here, now.
+
+On a GPU machine, measure one worker at a time (``--backend auto`` picks NCCL there), with
+the dense matmuls in float32, TF32 or bfloat16 autocast, and optionally a profile::
+
+    torchrec-cloud bench --worker ours --steps 50 --warmup 10 --precision bf16 \
+        --profile prof.txt -- --preset quickstart --synthetic random --batch_size 65536
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -27,6 +34,7 @@ from typing import Any
 
 import torch
 
+PRECISIONS = ("fp32", "tf32", "bf16")
 QUICKSTART_ARGS = ["--preset", "quickstart", "--synthetic", "random", "--no-progress", "--no-tensorboard"]
 
 
@@ -41,10 +49,57 @@ def _batches(cfg, rank: int, world_size: int, count: int) -> list:
     return [source.make_batch("train", i * world_size + rank) for i in range(count)]
 
 
+def precision_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """Set up ``precision`` for the dense compute and return the context to step in.
+
+    ``fp32``: as PyTorch's defaults. ``tf32``: float32 matmuls and convolutions may use
+    TF32 (CUDA only; no effect on a CPU). ``bf16``: autocast to bfloat16 around the step,
+    so the MLPs and the interaction run in bfloat16 while the tables, the optimizer state
+    and the loss stay float32.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"--precision: expected one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision == "tf32":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _gpu_busy_ms(prof) -> tuple[float, float]:
+    """(union of GPU activity intervals, sum of kernel and copy times) in ms."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    )
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return busy / 1e3, sum(b - a for a, b in spans) / 1e3
+
+
+def _profile_summary(prof, rows: int = 30) -> str:
+    on_gpu = any(getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA for e in prof.events())
+    sections = [("self_cpu_time_total", "host (self CPU time)")]
+    out = []
+    if on_gpu:
+        sections.insert(0, ("self_device_time_total", "device (self CUDA time)"))
+        busy, total = _gpu_busy_ms(prof)
+        out.append(f"GPU busy (union of kernels and copies): {busy:.2f} ms; sum of their times: {total:.2f} ms")
+    for key, title in sections:
+        out.append(f"== top ops by {title} ==")
+        out.append(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70))
+    return "\n".join(out)
+
+
 # -- workers (each in its own process) ---------------------------------------------------
 
 
-def worker_ours(cfg, steps: int, warmup: int) -> dict[str, Any]:
+def worker_ours(cfg, steps: int, warmup: int, precision: str = "fp32", profile: str | None = None) -> dict[str, Any]:
     import torch.distributed as dist
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
@@ -59,36 +114,62 @@ def worker_ours(cfg, steps: int, warmup: int) -> dict[str, Any]:
     optimizer = build_optimizer(dmp, cfg.optimizer)
     pipeline = TrainPipelineSparseDist(dmp, optimizer, env.device, execute_all_batches=True)
     batches = _batches(cfg, env.rank, env.world_size, 16)
+    on_gpu = env.device.type == "cuda"
+    if on_gpu:  # as a DataLoader with pin_memory=True hands them over: copies overlap compute
+        batches = [b.pin_memory() for b in batches]
+    step_context = precision_context(precision, env.device)
+    profile_steps = 5 if profile else 0
 
     def stream(n):
         for i in range(n):
             yield batches[i % len(batches)]
 
-    it = stream(warmup + steps)
-    for _ in range(warmup):
-        pipeline.progress(it)
-    if env.device.type == "cuda":
-        torch.cuda.synchronize()
+    # A few batches more than are stepped, so the pipeline's look-ahead never runs dry.
+    it = stream(warmup + steps + profile_steps + 4)
+
+    def run(n: int) -> None:
+        with step_context:
+            for _ in range(n):
+                pipeline.progress(it)
+        if on_gpu:
+            torch.cuda.synchronize()
+
+    run(warmup)
     dist.barrier()
     start = time.perf_counter()
-    done = 0
-    while True:
-        try:
-            pipeline.progress(it)
-        except StopIteration:
-            break
-        done += 1
-    if env.device.type == "cuda":
-        torch.cuda.synchronize()
+    run(steps)
     seconds = time.perf_counter() - start
-    rss = torch.tensor([_peak_rss_mb()])
+    done = steps
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+        with torch_profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            run(profile_steps)
+            profiled = time.perf_counter() - t0
+        if env.rank == 0:
+            with open(profile, "w") as f:
+                f.write(f"{profile_steps} steps, batch {cfg.data.batch_size}, precision {precision}: "
+                        f"{seconds / steps * 1e3:.2f} ms/step timed without the profiler, "
+                        f"{profiled * 1e3:.2f} ms for all {profile_steps} under it\n")  # fmt: skip
+                f.write(_profile_summary(prof) + "\n")
+            prof.export_chrome_trace(profile + ".trace.json")
+    rss = torch.tensor([_peak_rss_mb()], device=env.device)  # NCCL reduces only GPU tensors
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     result = {
         "samples_per_s": done * cfg.data.batch_size * env.world_size / seconds,
         "peak_rss_mb": float(rss),
         "world_size": env.world_size,
         "threads_per_rank": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name(env.device) if on_gpu else "cpu",
+        "batch_size": cfg.data.batch_size,
+        "precision": precision,
+        "ms_per_step": seconds / steps * 1e3,
     }
+    if on_gpu:
+        result["peak_gpu_mem_gb"] = torch.cuda.max_memory_allocated(env.device) / 2**30
     dist.barrier()
     dist.destroy_process_group()
     return result if env.rank == 0 else {}
@@ -191,8 +272,10 @@ def worker_bound(cfg) -> dict[str, Any]:
 # -- orchestration ------------------------------------------------------------------------
 
 
-def _run_worker(which: str, train_args: list[str], steps: int, warmup: int, nproc: int = 1) -> dict[str, Any]:
-    worker = ["-m", "torchrec_cloud", "bench", "--worker", which, "--steps", str(steps), "--warmup", str(warmup), "--", *train_args]
+def _run_worker(which: str, train_args: list[str], steps: int, warmup: int, nproc: int = 1,
+                precision: str = "fp32") -> dict[str, Any]:  # fmt: skip
+    worker = ["-m", "torchrec_cloud", "bench", "--worker", which, "--steps", str(steps), "--warmup", str(warmup),
+              "--precision", precision, "--", *train_args]  # fmt: skip
     if nproc > 1:
         import socket
 
@@ -210,14 +293,15 @@ def _run_worker(which: str, train_args: list[str], steps: int, warmup: int, npro
     return json.loads(lines[-1][len("BENCH "):])
 
 
-def run_bench(batch_size: int, steps: int, warmup: int, extra: list[str]) -> dict[str, Any]:
+def run_bench(batch_size: int, steps: int, warmup: int, extra: list[str], precision: str = "fp32") -> dict[str, Any]:
     train_args = [*QUICKSTART_ARGS, "--batch_size", str(batch_size), *extra]
     bound = _run_worker("bound", train_args, steps, warmup)
-    ours = _run_worker("ours", train_args, steps, warmup)
-    ours2 = _run_worker("ours", train_args, steps, warmup, nproc=2)
+    ours = _run_worker("ours", train_args, steps, warmup, precision=precision)
+    ours2 = _run_worker("ours", train_args, steps, warmup, nproc=2, precision=precision)
     hand = _run_worker("handwritten", train_args, steps, warmup)
     return {
         "batch_size": batch_size,
+        "precision": precision,
         "cpu_cores": os.cpu_count(),
         "flops_per_sample": bound["flops_per_sample"],
         "matmul_gflops": bound["matmul_gflops"],
@@ -253,6 +337,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--batch_size", type=int, default=2048, help="per-rank batch (default 2048)")
     parser.add_argument("--steps", type=int, default=40, help="timed steps per measurement")
     parser.add_argument("--warmup", type=int, default=8, help="untimed steps first")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                        help="dense compute of our trainer: fp32 (default), tf32 (CUDA matmuls in TF32), "
+                             "bf16 (bfloat16 autocast; tables and optimizer state stay fp32)")  # fmt: skip
+    parser.add_argument("--profile", metavar="FILE",
+                        help="with --worker ours: profile 5 more steps; top ops to FILE, a Chrome trace to FILE.trace.json")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object on the last line")
     parser.add_argument("--worker", choices=["ours", "handwritten", "bound"], help=argparse.SUPPRESS)
     parser.add_argument("train_args", nargs="*", help="extra train flags after --, e.g. -- --embedding_dim 128")
@@ -269,7 +358,7 @@ def _main(ns: argparse.Namespace) -> int:
     if ns.worker:
         cfg = parse_job_config(ns.train_args)
         if ns.worker == "ours":
-            result = worker_ours(cfg, ns.steps, ns.warmup)
+            result = worker_ours(cfg, ns.steps, ns.warmup, ns.precision, ns.profile)
         elif ns.worker == "handwritten":
             result = worker_handwritten(cfg, ns.steps, ns.warmup)
         else:
@@ -277,7 +366,7 @@ def _main(ns: argparse.Namespace) -> int:
         if result:
             print("BENCH " + json.dumps(result), flush=True)
         return 0
-    result = run_bench(ns.batch_size, ns.steps, ns.warmup, ns.train_args)
+    result = run_bench(ns.batch_size, ns.steps, ns.warmup, ns.train_args, ns.precision)
     print(format_table(result))
     if ns.json:
         print(json.dumps(result))

@@ -64,7 +64,7 @@ def build_model(cfg: ModelConfig, dense_device: torch.device) -> DLRMTrain:
     return DLRMTrain(dlrm)
 
 
-# -- Cheaper, numerically identical versions of two TorchRec arches. ----------------------
+# -- Cheaper, numerically identical versions of TorchRec's arches and layers. -------------
 # They subclass TorchRec's modules and keep their attributes, so parameter names (and so
 # checkpoints) are unchanged.
 
@@ -74,6 +74,39 @@ def _use_fast_arches(dlrm: torch.nn.Module) -> None:
     if type(dlrm.inter_arch) is InteractionArch:
         dlrm.inter_arch.__class__ = DotInteraction
         dlrm.inter_arch.init_flat_indices()
+    for arch in (dlrm.dense_arch, dlrm.over_arch):
+        first = next(m for m in arch.modules() if isinstance(m, torch.nn.Linear))
+        if first.in_features % ALIGN:
+            first.__class__ = AlignedLinear
+
+
+ALIGN = 8
+
+
+def aligned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` with the inner dimension zero-padded to a multiple of ``ALIGN``."""
+    pad = -weight.shape[1] % ALIGN
+    return torch.nn.functional.linear(
+        torch.nn.functional.pad(x, (0, pad)), torch.nn.functional.pad(weight, (0, pad)), bias
+    )
+
+
+class AlignedLinear(torch.nn.Linear):
+    """The first layer of an MLP whose input width (13 dense features; 415 or 479 from the
+    dot interaction) is not a multiple of 8.
+
+    cuBLAS's Hopper/Ampere tensor-core GEMMs need 16-byte aligned rows; with odd rows it
+    falls back to slow Turing-era kernels (seen on an H100: the first top-MLP layer took
+    most of the dense time). On a GPU the input and weight are zero-padded per call
+    (same result); on a CPU this is nn.Linear.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if not x.is_cuda:
+            return super().forward(x)
+        if torch.is_autocast_enabled("cuda"):  # pad the half-width copy autocast makes anyway
+            x = x.to(torch.get_autocast_dtype("cuda"))
+        return aligned_linear(x, self.weight, self.bias)
 
 
 class FlatSparseArch(SparseArch):
@@ -119,7 +152,14 @@ class DotInteraction(InteractionArch):
     def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
         if self.F <= 0:
             return dense_features
-        return _DotInteractionFn.apply(dense_features, sparse_features, self.flat_upper, self.sym_source)
+        # Float32 even under bf16 autocast: with n = F + 1 = 27 rows the products are small
+        # and misaligned for bf16 tensor cores (an H100 ran them in Turing-era kernels), and
+        # the casts of the [B, n, D] operand cost more than the products themselves.
+        dtype = torch.promote_types(dense_features.dtype, sparse_features.dtype)
+        with torch.autocast(dense_features.device.type, enabled=False):
+            return _DotInteractionFn.apply(
+                dense_features.to(dtype), sparse_features.to(dtype), self.flat_upper, self.sym_source
+            )
 
 
 class _DotInteractionFn(torch.autograd.Function):
@@ -136,8 +176,17 @@ class _DotInteractionFn(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[override]
         combined, sym_source = ctx.saved_tensors
         b, n, d = combined.shape
+        grad_out = grad_out.to(combined.dtype)
         padded = torch.cat((grad_out[:, d:], grad_out.new_zeros(b, 1)), dim=1)
-        sym = padded.index_select(1, sym_source)
-        grad_combined = torch.bmm(sym.view(b, n, n), combined)
-        grad_dense = grad_combined[:, 0] + grad_out[:, :d]
-        return grad_dense, grad_combined[:, 1:], None, None
+        sym = padded.index_select(1, sym_source).view(b, n, n)
+        # The backward inherits the caller's autocast; keep it float32 as the forward.
+        with torch.autocast(combined.device.type, enabled=False):
+            if combined.is_cuda:
+                # Two products, so the tables' gradient comes out contiguous (the fused table
+                # backward needs that; slicing rows 1: of one product cost a full copy there).
+                grad_dense = torch.bmm(sym[:, :1], combined).squeeze(1)
+                grad_sparse = torch.bmm(sym[:, 1:], combined)
+            else:  # one product; on CPU the tables' backward gathers its rows anyway
+                grad_combined = torch.bmm(sym, combined)
+                grad_dense, grad_sparse = grad_combined[:, 0], grad_combined[:, 1:]
+        return grad_dense + grad_out[:, :d], grad_sparse, None, None
