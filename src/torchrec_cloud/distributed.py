@@ -8,6 +8,7 @@ and its memory.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 from datetime import timedelta
@@ -71,6 +72,7 @@ def init_distributed(backend: str = "auto", num_threads: int = 0) -> Env:
     # Ranks on one host share its cores: give each its share, never more than all of them.
     threads = num_threads or max(1, _cpu_count() // local_world_size)
     torch.set_num_threads(threads)
+    keep_freed_memory()
     if not dist.is_initialized():
         timeout = timedelta(seconds=int(os.environ.get("TORCHREC_CLOUD_PG_TIMEOUT_S", "1800")))
         if world_size == 1 and "MASTER_ADDR" not in os.environ:
@@ -82,6 +84,29 @@ def init_distributed(backend: str = "auto", num_threads: int = 0) -> Env:
                 backend, timeout=timeout, device_id=device if backend == "nccl" else None
             )
     return Env(rank, world_size, local_rank, local_world_size, device, backend)
+
+
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def keep_freed_memory() -> None:
+    """Keep the step's freed buffers in the process instead of handing them back to the kernel.
+
+    glibc serves each large block (an activation is up to ~14 MB at batch 2048) from a fresh
+    mmap, or trims the heap top once it is free, so every CPU step page-faults its buffers in
+    again: ~10% of a quickstart step on 2 cores. Blocks up to 32 MiB then come from the heap
+    and stay mapped; the peak RSS is unchanged (measured by ``torchrec-cloud bench``). The
+    ``MALLOC_*_`` environment variables, or another allocator, still take precedence.
+    """
+    if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+        libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        pass
 
 
 def _host_memory_bytes() -> int:
