@@ -36,8 +36,9 @@ def _faults(mode: str, **env: str) -> int:
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="tunes glibc's malloc only")
 def test_freed_step_buffers_are_reused_without_page_faults():
-    # 10 x 16 MiB = 40,960 pages: glibc maps and unmaps each one afresh by default.
+    # 10 x 16 MiB = 40,960 pages: glibc maps and unmaps each one afresh by default. Kept,
+    # the heap may still grow once or twice (Python's own small objects land in the gap).
     assert _faults("plain") > 20_000
-    assert _faults("keep") < 1_000
+    assert _faults("keep") < 2 * 4096 + 500
     # A user's own MALLOC_* setting wins over ours.
     assert _faults("keep", MALLOC_MMAP_THRESHOLD_="65536") > 20_000

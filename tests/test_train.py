@@ -3,6 +3,7 @@
 import re
 
 import pytest
+import torch
 
 from helpers import PYTHON, REPO, TINY, evals, explain, read_metrics, run, torchrun
 
@@ -44,6 +45,17 @@ def test_one_process_learns_the_planted_signal(tmp_path):
     # The sharding plan is printed on rank 0, and the fused optimizer was used.
     assert "sharding plan" in proc.stdout and "fused" in proc.stdout
     assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_gpu_learns_the_planted_signal(tmp_path):
+    # NCCL, tables in HBM, the dense part moved to the GPU without DDP in a world of one.
+    proc = run([PYTHON, "-m", "torchrec_cloud", "train", "--synthetic", "planted", *LEARN, "--output_dir", str(tmp_path)])
+    assert proc.returncode == 0, explain(proc)
+    records = read_metrics(tmp_path)
+    assert records[0]["device"] == "cuda" and records[0]["backend"] == "nccl"
+    assert records[0]["bayes_auc"] - evals(records, "val")[-1]["auc"] < 0.02
+    assert evals(records, "test")[0]["auc"] > 0.75
 
 
 def test_random_labels_cannot_be_learned(tmp_path):

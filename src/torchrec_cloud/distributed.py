@@ -173,11 +173,15 @@ def shard_model(
 
 class _DataParallelAcrossRanks(DefaultDataParallelWrapper):
     """DDP for the dense part, except in a world of one: there it would only add a forward
-    wrapper, gradient-bucket copies and an all-reduce with itself to every step."""
+    wrapper, gradient-bucket copies and an all-reduce with itself to every step. The module
+    still moves to the device, as DDP's wrapper does (buffers made on the host, such as the
+    interaction's indices, go with it)."""
 
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
         if env.world_size > 1:
             super().wrap(dmp, env, device)
+        else:
+            dmp._dmp_wrapped_module.to(device)
 
 
 def fused_constraints(model: torch.nn.Module) -> dict[str, ParameterConstraints]:
