@@ -154,9 +154,16 @@ class DataConfig:
     multi_hot_pooling: Literal["fixed", "random"] = "fixed"
     """With --multi_hot_sizes: every bag has its full size (``fixed``, as MLPerf) or a
     size drawn from 1..size per sample (``random``)."""
+    data_workers: Optional[int] = None
+    """Make training batches ahead of the step, pinned for the copy to a GPU: synthetic
+    batches in this many worker processes (torch DataLoader), other sources in one reading
+    thread when > 0. Unset: on a GPU the rank's share of the cores less two, at most 16; on
+    CPU 0 (the step's own threads already use every core): each batch made when needed."""
 
     def __post_init__(self) -> None:
         _positive("batch_size", self.batch_size)
+        if self.data_workers is not None:
+            _positive("data_workers", self.data_workers, allow_zero=True)
         _positive("num_batches_per_epoch", self.num_batches_per_epoch)
         _positive("num_eval_batches", self.num_eval_batches)
         if self.dataset_path is not None and not self.dataset_path.strip():

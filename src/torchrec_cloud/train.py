@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torchrec_cloud import observability
 from torchrec_cloud.checkpoint import Checkpointer, Position, Preemption
 from torchrec_cloud.config import JobConfig, add_config_flags, config_from_args
-from torchrec_cloud.data import DataSource, SyntheticSource, build_data_source
+from torchrec_cloud.data import DataSource, SyntheticSource, build_data_source, prefetched
 from torchrec_cloud.distributed import (
     Env,
     WarmupPolyDecay,
@@ -92,12 +92,16 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
         total=total_steps, initial=position.step, disable=not (env.is_main and cfg.output.progress), unit="step"
     )
     start_step = step = position.step
+    workers = cfg.data.data_workers
+    if workers is None:
+        workers = min(16, max(1, torch.get_num_threads() - 2)) if env.device.type == "cuda" else 0
     window = _Window()
     last_val: dict[str, float] = {}
     intervals = (cfg.train.eval_every, cfg.checkpoint.checkpoint_interval)
     run_start = time.perf_counter()
     for epoch, first, last in segments(position, cfg.train.num_epochs, batches_per_epoch, intervals):
-        batches = agreed_batches(source.train_batches(epoch, first), last - first, window, preemption)
+        made = _train_batches(source, epoch, first, workers, pin=env.device.type == "cuda")
+        batches = agreed_batches(made, last - first, window, preemption)
         segment_start = step
         while True:
             t0 = time.perf_counter()
@@ -114,6 +118,7 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
                 record = window.record(step, epoch, env, scheduler.current_lr())
                 bar.set_postfix(loss=f"{record['loss']:.4f}", sps=f"{record['samples_per_s']:.0f}")
                 sink.log(record)
+        made.close()  # stops the prefetch thread when the segment ended before the data
         position = Position.after(step, epoch, first + step - segment_start, batches_per_epoch)
         if preemption.stop:
             break
@@ -195,6 +200,16 @@ def segments(
             step += last - first
             first = last
         first = 0
+
+
+def _train_batches(source: DataSource, epoch: int, first: int, workers: int, pin: bool) -> Iterator:
+    """The segment's training batches, made ahead by ``workers`` processes (synthetic data)
+    or one reading thread (other sources), or in the step when ``workers`` is 0."""
+    if workers and isinstance(source, SyntheticSource):
+        batches = source.train_loader(epoch, first, workers, pin)
+    else:
+        batches = prefetched(source.train_batches(epoch, first), 2 if workers else 0, pin)
+    yield from batches
 
 
 def agreed_batches(batches: Iterator, limit: int, window: "_Window", preemption: Preemption) -> Iterator:
