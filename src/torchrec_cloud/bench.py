@@ -23,7 +23,6 @@ the dense matmuls in float32, TF32 or bfloat16 autocast, and optionally a profil
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import resource
@@ -34,7 +33,8 @@ from typing import Any
 
 import torch
 
-PRECISIONS = ("fp32", "tf32", "bf16")
+from torchrec_cloud.precision import PRECISIONS, precision_context
+
 QUICKSTART_ARGS = ["--preset", "quickstart", "--synthetic", "random", "--no-progress", "--no-tensorboard"]
 
 
@@ -47,24 +47,6 @@ def _batches(cfg, rank: int, world_size: int, count: int) -> list:
 
     source = SyntheticSource(cfg, rank, world_size)
     return [source.make_batch("train", i * world_size + rank) for i in range(count)]
-
-
-def precision_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """Set up ``precision`` for the dense compute and return the context to step in.
-
-    ``fp32``: as PyTorch's defaults. ``tf32``: float32 matmuls and convolutions may use
-    TF32 (CUDA only; no effect on a CPU). ``bf16``: autocast to bfloat16 around the step,
-    so the MLPs and the interaction run in bfloat16 while the tables, the optimizer state
-    and the loss stay float32.
-    """
-    if precision not in PRECISIONS:
-        raise ValueError(f"--precision: expected one of {', '.join(PRECISIONS)}, got {precision!r}")
-    if precision == "tf32":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def _gpu_busy_ms(prof) -> tuple[float, float]:

@@ -230,6 +230,10 @@ class TrainConfig:
     """Process-group backend; ``auto`` is NCCL when a GPU is present, else gloo."""
     num_threads: int = 0
     """CPU threads per rank; 0 divides the machine's cores among the local ranks."""
+    precision: Literal["fp32", "tf32", "bf16"] = "fp32"
+    """Dense compute (training and evaluation): ``fp32``; ``tf32`` (CUDA matmuls in TF32,
+    same as fp32 on CPU); ``bf16`` (bfloat16 autocast of the MLPs; the tables, the
+    optimizer state, the dot interaction and the loss stay float32)."""
 
     def __post_init__(self) -> None:
         _positive("num_epochs", self.num_epochs)

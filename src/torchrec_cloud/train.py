@@ -31,6 +31,7 @@ from torchrec_cloud import observability
 from torchrec_cloud.checkpoint import Checkpointer, Position, Preemption
 from torchrec_cloud.config import JobConfig, add_config_flags, config_from_args
 from torchrec_cloud.data import DataSource, SyntheticSource, build_data_source, prefetched
+from torchrec_cloud.precision import precision_context
 from torchrec_cloud.distributed import (
     Env,
     WarmupPolyDecay,
@@ -92,6 +93,7 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
         total=total_steps, initial=position.step, disable=not (env.is_main and cfg.output.progress), unit="step"
     )
     start_step = step = position.step
+    step_context = precision_context(cfg.train.precision, env.device)
     workers = cfg.data.data_workers
     if workers is None:
         workers = min(16, max(1, torch.get_num_threads() - 2)) if env.device.type == "cuda" else 0
@@ -106,7 +108,8 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
         while True:
             t0 = time.perf_counter()
             try:
-                loss, _, _ = pipeline.progress(batches)
+                with step_context:
+                    loss, _, _ = pipeline.progress(batches)
             except StopIteration:
                 break
             window.in_step += time.perf_counter() - t0
@@ -125,7 +128,7 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
         if last == batches_per_epoch and window.steps:
             sink.log(window.record(step, epoch, env, scheduler.current_lr()))
         if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-            last_val = _evaluate(pipeline, source, "val", step, epoch, env, sink)
+            last_val = _evaluate(pipeline, source, "val", step, epoch, env, sink, cfg.train.precision)
         if checkpoints.due(step):
             checkpoints.save(position, dmp, optimizer, scheduler)
         checkpoints.poll()
@@ -137,8 +140,8 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
     test: dict[str, float] = {}
     if not preemption.stop:
         if not (cfg.train.eval_every and step % cfg.train.eval_every == 0 and last_val):
-            last_val = _evaluate(pipeline, source, "val", step, cfg.train.num_epochs - 1, env, sink)
-        test = _evaluate(pipeline, source, "test", step, cfg.train.num_epochs - 1, env, sink)
+            last_val = _evaluate(pipeline, source, "val", step, cfg.train.num_epochs - 1, env, sink, cfg.train.precision)
+        test = _evaluate(pipeline, source, "test", step, cfg.train.num_epochs - 1, env, sink, cfg.train.precision)
 
     # -- save --------------------------------------------------------------------------
     # A run stopped before its first step has nothing new to save (and little grace time).
@@ -290,9 +293,10 @@ class _Window:
         return record
 
 
-def _evaluate(pipeline, source, split, step, epoch, env, sink) -> dict[str, float]:
+def _evaluate(pipeline, source, split, step, epoch, env, sink, precision="fp32") -> dict[str, float]:
     model = pipeline.detach()  # the pipeline re-attaches on its next progress()
-    metrics = evaluate(model, source, split, env.device)
+    with precision_context(precision, env.device):
+        metrics = evaluate(model, source, split, env.device)
     sink.log(
         {
             "event": "eval",

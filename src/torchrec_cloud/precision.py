@@ -1,0 +1,27 @@
+"""Numeric precision of the dense compute: ``--precision`` of ``train`` and ``bench``."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+PRECISIONS = ("fp32", "tf32", "bf16")
+
+
+def precision_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """Set up ``precision`` for the dense compute and return the context to step in.
+
+    ``fp32``: as PyTorch's defaults. ``tf32``: float32 matmuls and convolutions may use
+    TF32 (CUDA only; no effect on a CPU). ``bf16``: autocast to bfloat16 around the step,
+    so the MLPs run in bfloat16 while the tables, the optimizer state, the dot interaction
+    and the loss stay float32.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"--precision: expected one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision == "tf32":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
