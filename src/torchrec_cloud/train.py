@@ -128,7 +128,7 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
         if last == batches_per_epoch and window.steps:
             sink.log(window.record(step, epoch, env, scheduler.current_lr()))
         if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-            last_val = _evaluate(pipeline, source, "val", step, epoch, env, sink, cfg.train.precision)
+            last_val = _evaluate(pipeline, source, "val", step, epoch, env, sink, step_context)
         if checkpoints.due(step):
             checkpoints.save(position, dmp, optimizer, scheduler)
         checkpoints.poll()
@@ -140,8 +140,8 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
     test: dict[str, float] = {}
     if not preemption.stop:
         if not (cfg.train.eval_every and step % cfg.train.eval_every == 0 and last_val):
-            last_val = _evaluate(pipeline, source, "val", step, cfg.train.num_epochs - 1, env, sink, cfg.train.precision)
-        test = _evaluate(pipeline, source, "test", step, cfg.train.num_epochs - 1, env, sink, cfg.train.precision)
+            last_val = _evaluate(pipeline, source, "val", step, cfg.train.num_epochs - 1, env, sink, step_context)
+        test = _evaluate(pipeline, source, "test", step, cfg.train.num_epochs - 1, env, sink, step_context)
 
     # -- save --------------------------------------------------------------------------
     # A run stopped before its first step has nothing new to save (and little grace time).
@@ -293,9 +293,9 @@ class _Window:
         return record
 
 
-def _evaluate(pipeline, source, split, step, epoch, env, sink, precision="fp32") -> dict[str, float]:
+def _evaluate(pipeline, source, split, step, epoch, env, sink, context) -> dict[str, float]:
     model = pipeline.detach()  # the pipeline re-attaches on its next progress()
-    with precision_context(precision, env.device):
+    with context:  # the training step's precision
         metrics = evaluate(model, source, split, env.device)
     sink.log(
         {
