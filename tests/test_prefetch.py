@@ -85,3 +85,33 @@ def test_training_with_data_workers_is_the_same_training(tmp_path):
                         if r["event"] in ("train", "eval")]  # fmt: skip
     assert len(losses["0"]) > 5
     assert losses["2"] == losses["0"] and losses["thread"] == losses["0"]
+
+
+def _labels(batches) -> list[list[float]]:
+    return [b.labels.tolist() for b in batches]
+
+
+def test_worker_processes_make_what_the_source_says(tmp_path):
+    # `train`'s choice of batches with 2 worker processes, for the plain source and for
+    # subclasses that change which batches a rank trains on in either of the two ways.
+    from torchrec_cloud.config import parse_job_config
+    from torchrec_cloud.data import SyntheticSource
+    from torchrec_cloud.train import _train_batches
+
+    cfg = parse_job_config([*TINY, "--num_batches_per_epoch", "6", "--output_dir", str(tmp_path)])
+
+    class FirstThree(SyntheticSource):  # overrides train_batches: the loader cannot see it
+        def train_batches(self, epoch, start_batch=0):
+            for i, b in enumerate(super().train_batches(epoch, start_batch)):
+                if i == 3:
+                    return
+                yield b
+
+    class EveryOther(SyntheticSource):  # overrides the index list: the loader uses it
+        def train_indices(self, epoch, start_batch=0):
+            return super().train_indices(epoch, start_batch)[::2]
+
+    for source, expected in ((SyntheticSource(cfg, 0, 1), 5), (FirstThree(cfg, 0, 1), 3), (EveryOther(cfg, 0, 1), 3)):
+        made = _labels(_train_batches(source, epoch=1, first=1, workers=2, pin=False))
+        assert len(made) == expected, type(source).__name__
+        assert made == _labels(source.train_batches(1, 1)), type(source).__name__

@@ -168,23 +168,36 @@ class SyntheticSource:
     def num_train_batches(self) -> int:
         return self.num_batches
 
-    def train_batches(self, epoch: int, start_batch: int = 0) -> Iterator[Batch]:
-        for i in range(start_batch, self.num_batches):
-            yield self.make_batch("train", self._train_index(epoch, i))
+    def train_indices(self, epoch: int, start_batch: int = 0) -> list[int]:
+        """The global batch indices this rank trains on in ``epoch`` from ``start_batch``:
+        the one list both ``train_batches`` and ``train_loader`` make batches from."""
+        first = epoch * self.num_batches
+        return [(first + i) * self.world_size + self.rank for i in range(start_batch, self.num_batches)]
 
-    def _train_index(self, epoch: int, batch: int) -> int:
-        return (epoch * self.num_batches + batch) * self.world_size + self.rank
+    def train_batches(self, epoch: int, start_batch: int = 0) -> Iterator[Batch]:
+        for index in self.train_indices(epoch, start_batch):
+            yield self.make_batch("train", index)
 
     def train_loader(self, epoch: int, start_batch: int, workers: int, pin: bool) -> Iterator[Batch]:
         """``train_batches`` made by ``workers`` processes (each batch depends only on its
-        index, so the batches are the same), ``pin``-ned for the copy to a GPU."""
-        indices = [self._train_index(epoch, i) for i in range(start_batch, self.num_batches)]
+        index, so the batches are the same), ``pin``-ned for the copy to a GPU.
+
+        A subclass that overrides ``train_batches`` (rather than ``train_indices`` or
+        ``make_batch``) is not seen here; ``train`` then reads ``train_batches`` instead
+        (``makes_batches_by_index``).
+        """
+        indices = self.train_indices(epoch, start_batch)
         if not indices:
             return iter(())
         loader = torch.utils.data.DataLoader(
             _TrainBatches(self, indices), batch_size=None, num_workers=workers, pin_memory=pin, prefetch_factor=2
         )
         return iter(loader)
+
+    def makes_batches_by_index(self) -> bool:
+        """Whether ``train_batches`` is still ``make_batch`` over ``train_indices``, so
+        ``train_loader`` gives the same batches."""
+        return type(self).train_batches is SyntheticSource.train_batches
 
     def eval_batches(self, split: str) -> Iterator[tuple[Batch, int]]:
         steps = math.ceil(self.num_eval_batches / self.world_size)

@@ -207,8 +207,9 @@ def segments(
 
 def _train_batches(source: DataSource, epoch: int, first: int, workers: int, pin: bool) -> Iterator:
     """The segment's training batches, made ahead by ``workers`` processes (synthetic data)
-    or one reading thread (other sources), or in the step when ``workers`` is 0."""
-    if workers and isinstance(source, SyntheticSource):
+    or one reading thread (other sources, and synthetic ones whose ``train_batches`` is
+    overridden), or in the step when ``workers`` is 0."""
+    if workers and isinstance(source, SyntheticSource) and source.makes_batches_by_index():
         batches = source.train_loader(epoch, first, workers, pin)
     else:
         batches = prefetched(source.train_batches(epoch, first), 2 if workers else 0, pin)
