@@ -19,6 +19,12 @@ def test_bench_json_last_line_has_every_figure():
     for key in KEYS:
         assert result[key] > 0, (key, result)
     assert abs(result["ours_vs_bound"] - result["ours_samples_per_s"] / result["bound_samples_per_s"]) < 1e-9
+    # Bound and ours are each the mean of two measurements that bracket each other.
+    first, last = result["ours_samples_per_s_runs"]
+    assert first > 0 and last > 0 and abs(result["ours_samples_per_s"] - (first + last) / 2) < 1e-6
+    start, end = result["matmul_gflops_start"], result["matmul_gflops_end"]
+    assert start > 0 and end > 0 and abs(result["matmul_gflops"] - (start + end) / 2) < 1e-9
+    assert abs(result["bound_samples_per_s"] - result["matmul_gflops"] * 1e9 / result["flops_per_sample"]) < 1e-6
     # FLOPs per sample of the quickstart dense compute: MLPs + interaction, fwd + bwd.
     assert 2.5e6 < result["flops_per_sample"] < 4.0e6
     assert "hand-written PyTorch" in proc.stdout
