@@ -45,6 +45,10 @@ def _positive_list(flag: str, values: Optional[list[int]], min_len: int = 1) -> 
             raise ConfigError(flag, f"every value must be > 0, got {v} in {values}")
 
 
+# Numeric precision of the dense compute (``--precision`` of train and bench).
+Precision = Literal["fp32", "tf32", "bf16"]
+
+
 @dataclass
 class ModelConfig:
     """The DLRM family from ``torchrec.models.dlrm``."""
@@ -230,7 +234,7 @@ class TrainConfig:
     """Process-group backend; ``auto`` is NCCL when a GPU is present, else gloo."""
     num_threads: int = 0
     """CPU threads per rank; 0 divides the machine's cores among the local ranks."""
-    precision: Literal["fp32", "tf32", "bf16"] = "fp32"
+    precision: Precision = "fp32"
     """Dense compute (training and evaluation): ``fp32``; ``tf32`` (CUDA matmuls in TF32,
     same as fp32 on CPU); ``bf16`` (bfloat16 autocast of the MLPs; the tables, the
     optimizer state, the dot interaction and the loss stay float32)."""

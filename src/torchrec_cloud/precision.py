@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import typing
 
 import torch
 
-PRECISIONS = ("fp32", "tf32", "bf16")
+from torchrec_cloud.config import Precision
+
+PRECISIONS: tuple[str, ...] = typing.get_args(Precision)
 
 
 def precision_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
