@@ -4,12 +4,17 @@ fbgemm's CPU backward (``split_embedding_backward_codegen_rowwise_adagrad_cpu``)
 the tables one by one, sorting each table's ids and opening parallel regions per table:
 at batch 2048 with 26 tables it takes ~1.2 ms per table, most of it fixed cost, and is the
 largest non-matmul item of a CPU training step. This module does the same update for all
-tables at once with a handful of whole-batch tensor ops:
+tables at once:
 
-1. every id becomes a global row of the flat weight buffer (table offset + id);
-2. one sort groups repeated rows; each row's gradient is the sum of the pooled gradients
-   of the bags it occurs in (gathered straight from the ``(B, total_D)`` output gradient);
+1. every id becomes a global row of the flat weight buffer (table offset + id), and finds
+   its pooled gradient in the ``(B, total_D)`` output gradient (whatever its row stride);
+2. each row's gradient is the sum over its ids (times per-sample weights, or 1/bag length
+   for mean pooling), in id order;
 3. ``h += mean(g^2)``; ``w -= lr * g / (sqrt(h) + eps)``, as fbgemm's exact row-wise Adagrad.
+
+Steps 2-3 run in ``cpu_kernels.c`` (native.py): the rows are split between the OpenMP
+threads by row, and each thread merges its repeats in a hash table, with no sort. Where that
+library cannot be built, whole-batch torch ops do the same (one sort groups the repeats).
 
 It writes into the same ``weights_host`` / ``momentum1_host`` tensors that TorchRec's
 sharded modules, optimizer state and checkpoints expose, so nothing outside the update
@@ -26,6 +31,8 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch
+
+from torchrec_cloud import native
 
 _ORIGINAL: Optional[Callable[..., torch.Tensor]] = None
 _POOLING_SUM, _POOLING_MEAN = 0, 1
@@ -110,12 +117,6 @@ def rowwise_adagrad_update(
     bag = bag_ids if one_per_bag else torch.repeat_interleave(bag_ids, lengths, output_size=n)
     feature = torch.div(bag, batch, rounding_mode="floor")
     rows = indices.long() + row_base.index_select(0, feature)
-    # row of grad_output viewed as (B * T, D) that holds each id's pooled gradient
-    grad_rows = (bag - feature * batch) * num_features + feature
-
-    sorted_rows, order = torch.sort(rows)
-    uniq, inverse, counts = torch.unique_consecutive(sorted_rows, return_inverse=True, return_counts=True)
-    source = grad_rows.index_select(0, order)
     scale = None
     if indice_weights is not None or mean_pooling:
         scale = torch.ones(n, dtype=grad_output.dtype, device=grad_output.device)
@@ -123,6 +124,35 @@ def rowwise_adagrad_update(
             scale = scale * indice_weights.to(grad_output.dtype)
         if mean_pooling:
             scale = scale / lengths.clamp_min(1).to(grad_output.dtype).index_select(0, bag)
+
+    lib = native.library()
+    if lib is not None and grad_output.dtype == torch.float32 and weights.is_contiguous() and momentum.is_contiguous():
+        if grad_output.stride(1) != 1:
+            grad_output = grad_output.contiguous()
+        # where each id's pooled gradient starts in grad_output's memory (any row stride)
+        src = (bag - feature * batch) * grad_output.stride(0) + feature * dim
+        status = lib.rowwise_adagrad_update(
+            weights.data_ptr(), momentum.data_ptr(), weights.shape[0], dim, rows.data_ptr(), src.data_ptr(),
+            scale.contiguous().data_ptr() if scale is not None else None, grad_output.data_ptr(), n, lr, eps,
+        )  # fmt: skip
+        if status == -2:
+            raise IndexError(f"row-wise Adagrad: an embedding row is outside the {weights.shape[0]} rows of its tables")
+        if status != 0:
+            raise MemoryError("row-wise Adagrad: the CPU kernel could not allocate its buffers")
+        return
+    # row of grad_output viewed as (B * T, D) that holds each id's pooled gradient
+    grad_rows = (bag - feature * batch) * num_features + feature
+    _update_with_torch_ops(weights, momentum, rows, grad_rows, scale, grad_output, lr, eps)
+
+
+def _update_with_torch_ops(weights, momentum, rows, grad_rows, scale, grad_output, lr: float, eps: float) -> None:
+    """The same update from whole-batch torch ops (one sort groups the repeated rows)."""
+    dim = weights.shape[1]
+    n = rows.numel()
+    sorted_rows, order = torch.sort(rows)
+    uniq, inverse, counts = torch.unique_consecutive(sorted_rows, return_inverse=True, return_counts=True)
+    source = grad_rows.index_select(0, order)
+    if scale is not None:
         scale = scale.index_select(0, order)
     grads = grad_output.reshape(-1, dim)
     first = counts.cumsum(0) - counts
@@ -130,7 +160,7 @@ def rowwise_adagrad_update(
     if scale is not None:
         grad.mul_(scale.index_select(0, first).unsqueeze(1))
     if uniq.numel() != n:  # rows that occur more than once: add the other occurrences
-        repeat = torch.ones(n, dtype=torch.bool, device=indices.device)
+        repeat = torch.ones(n, dtype=torch.bool, device=rows.device)
         repeat[first] = False
         rest = repeat.nonzero().squeeze(1)
         extra = grads.index_select(0, source.index_select(0, rest))

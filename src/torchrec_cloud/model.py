@@ -21,6 +21,7 @@ from torchrec.models.dlrm import (
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
+from torchrec_cloud import native
 from torchrec_cloud.config import ModelConfig
 from torchrec_cloud.data import feature_names
 
@@ -156,6 +157,9 @@ class DotInteraction(InteractionArch):
         # and misaligned for bf16 tensor cores (an H100 ran them in Turing-era kernels), and
         # the casts of the [B, n, D] operand cost more than the products themselves.
         dtype = torch.promote_types(dense_features.dtype, sparse_features.dtype)
+        if dtype == torch.float32 and not dense_features.is_cuda and native.library() is not None:
+            with torch.autocast("cpu", enabled=False):
+                return _NativeDotInteractionFn.apply(dense_features.float(), sparse_features.float())
         with torch.autocast(dense_features.device.type, enabled=False):
             return _DotInteractionFn.apply(
                 dense_features.to(dtype), sparse_features.to(dtype), self.flat_upper, self.sym_source
@@ -190,3 +194,30 @@ class _DotInteractionFn(torch.autograd.Function):
                 grad_combined = torch.bmm(sym, combined)
                 grad_dense, grad_sparse = grad_combined[:, 0], grad_combined[:, 1:]
         return grad_dense + grad_out[:, :d], grad_sparse, None, None
+
+
+class _NativeDotInteractionFn(torch.autograd.Function):
+    """The same interaction on CPU through ``cpu_kernels.c``: only the pairs are computed, with
+    no concatenated copy of the rows and no full Gram matrix, and the tables' gradient comes
+    out contiguous (their row-wise Adagrad reads it without a copy)."""
+
+    @staticmethod
+    def forward(ctx, dense, sparse):  # type: ignore[override]
+        dense, sparse = dense.contiguous(), sparse.contiguous()
+        b, f, d = sparse.shape
+        n = f + 1
+        out = dense.new_empty(b, d + n * (n - 1) // 2)
+        native.library().dot_interaction_forward(dense.data_ptr(), sparse.data_ptr(), out.data_ptr(), b, f, d)
+        ctx.save_for_backward(dense, sparse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        dense, sparse = ctx.saved_tensors
+        grad_out = grad_out.float().contiguous()
+        b, f, d = sparse.shape
+        grad_dense, grad_sparse = torch.empty_like(dense), torch.empty_like(sparse)
+        native.library().dot_interaction_backward(
+            grad_out.data_ptr(), dense.data_ptr(), sparse.data_ptr(), grad_dense.data_ptr(), grad_sparse.data_ptr(), b, f, d
+        )
+        return grad_dense, grad_sparse

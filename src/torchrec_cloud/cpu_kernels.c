@@ -1,0 +1,276 @@
+/*
+ * DLRM's pairwise dot interaction on CPU, forward and backward, for float32 rows.
+ *
+ * Built for the machine it runs on and loaded with ctypes by native.py; model.py's
+ * DotInteraction uses it on CPU and falls back to torch ops when it is not available.
+ *
+ * One sample has n = F + 1 rows of width D: the dense row, then F pooled embeddings.
+ * forward:  out[b] = [dense[b], dot(r_i, r_j) for i < j in row-major order]
+ *           (torch.triu_indices(n, n, offset=1), as TorchRec's InteractionArch)
+ * backward: with w_ij the gradient of pair (i, j),
+ *           grad r_i = sum_{j != i} w_ij r_j, plus the pass-through gradient for the dense row.
+ *
+ * Why not torch.bmm: the per-sample products are 27x64 by 64x27, and MKL's batched GEMM runs
+ * them at ~40 GFLOP/s on the machines we measured (the MLP GEMMs reach ~150); it also computes
+ * the whole symmetric Gram matrix, needs the rows concatenated first and a gather of the upper
+ * triangle after. Here each sample's rows (7 KB) stay in L1, only the pairs are computed, and
+ * samples are split between torch's OpenMP threads (this library resolves libgomp.so.1 to the
+ * copy torch has already loaded, so both share one thread pool and torch.set_num_threads).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* Dot products of row i with every later row, four at a time so each load of row i is shared. */
+static inline __attribute__((always_inline)) void sample_pairs(const float* const* rows, int64_t n, int64_t d,
+                                                               float* restrict p) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float* restrict ri = rows[i];
+    int64_t j = i + 1;
+    for (; j + 4 <= n; j += 4) {
+      const float *r0 = rows[j], *r1 = rows[j + 1], *r2 = rows[j + 2], *r3 = rows[j + 3];
+      float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+      for (int64_t k = 0; k < d; ++k) {
+        const float x = ri[k];
+        s0 += x * r0[k];
+        s1 += x * r1[k];
+        s2 += x * r2[k];
+        s3 += x * r3[k];
+      }
+      p[0] = s0;
+      p[1] = s1;
+      p[2] = s2;
+      p[3] = s3;
+      p += 4;
+    }
+    for (; j < n; ++j) {
+      const float* restrict rj = rows[j];
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t k = 0; k < d; ++k) s += ri[k] * rj[k];
+      *p++ = s;
+    }
+  }
+}
+
+static inline __attribute__((always_inline)) void forward_samples(const float* dense, const float* sparse,
+                                                                  float* out, int64_t b0, int64_t b1, int64_t f,
+                                                                  int64_t d) {
+  const int64_t n = f + 1, width = d + n * (n - 1) / 2;
+  const float* rows[n];
+  for (int64_t b = b0; b < b1; ++b) {
+    rows[0] = dense + b * d;
+    for (int64_t i = 1; i < n; ++i) rows[i] = sparse + (b * f + i - 1) * d;
+    float* o = out + b * width;
+    memcpy(o, rows[0], d * sizeof(float));
+    sample_pairs(rows, n, d, o + d);
+  }
+}
+
+/* Each pair adds to both of its rows' gradients; row i's accumulator stays hot across j. */
+static inline __attribute__((always_inline)) void backward_samples(const float* grad_out, const float* dense,
+                                                                   const float* sparse, float* grad_dense,
+                                                                   float* grad_sparse, int64_t b0, int64_t b1,
+                                                                   int64_t f, int64_t d) {
+  const int64_t n = f + 1, width = d + n * (n - 1) / 2;
+  const float* rows[n];
+  float* acc[n];
+  for (int64_t b = b0; b < b1; ++b) {
+    rows[0] = dense + b * d;
+    acc[0] = grad_dense + b * d;
+    for (int64_t i = 1; i < n; ++i) {
+      rows[i] = sparse + (b * f + i - 1) * d;
+      acc[i] = grad_sparse + (b * f + i - 1) * d;
+    }
+    const float* g = grad_out + b * width;
+    memcpy(acc[0], g, d * sizeof(float));
+    if (f > 0) memset(acc[1], 0, f * d * sizeof(float));
+    const float* w = g + d;
+    for (int64_t i = 0; i < n; ++i) {
+      float* restrict ai = acc[i];
+      const float* restrict ri = rows[i];
+      for (int64_t j = i + 1; j < n; ++j) {
+        const float wij = *w++;
+        float* restrict aj = acc[j];
+        const float* restrict rj = rows[j];
+#pragma omp simd
+        for (int64_t k = 0; k < d; ++k) {
+          ai[k] += wij * rj[k];
+          aj[k] += wij * ri[k];
+        }
+      }
+    }
+  }
+}
+
+/* This thread's share of the batch, contiguous so each thread streams its own rows. */
+static void thread_share(int64_t batch, int64_t* b0, int64_t* b1) {
+  int64_t threads = 1, t = 0;
+#ifdef _OPENMP
+  threads = omp_get_num_threads();
+  t = omp_get_thread_num();
+#endif
+  *b0 = batch * t / threads;
+  *b1 = batch * (t + 1) / threads;
+}
+
+/* The common widths are compile-time constants, so their inner loops unroll into whole vectors. */
+void dot_interaction_forward(const float* dense, const float* sparse, float* out, int64_t batch, int64_t f,
+                             int64_t d) {
+#pragma omp parallel
+  {
+    int64_t b0, b1;
+    thread_share(batch, &b0, &b1);
+    if (d == 64)
+      forward_samples(dense, sparse, out, b0, b1, f, 64);
+    else if (d == 128)
+      forward_samples(dense, sparse, out, b0, b1, f, 128);
+    else
+      forward_samples(dense, sparse, out, b0, b1, f, d);
+  }
+}
+
+void dot_interaction_backward(const float* grad_out, const float* dense, const float* sparse, float* grad_dense,
+                              float* grad_sparse, int64_t batch, int64_t f, int64_t d) {
+#pragma omp parallel
+  {
+    int64_t b0, b1;
+    thread_share(batch, &b0, &b1);
+    if (d == 64)
+      backward_samples(grad_out, dense, sparse, grad_dense, grad_sparse, b0, b1, f, 64);
+    else if (d == 128)
+      backward_samples(grad_out, dense, sparse, grad_dense, grad_sparse, b0, b1, f, 128);
+    else
+      backward_samples(grad_out, dense, sparse, grad_dense, grad_sparse, b0, b1, f, d);
+  }
+}
+
+/*
+ * Exact row-wise Adagrad for the rows one batch touched (cpu_rowwise_adagrad.py prepares the
+ * arguments): id i adds scale[i] * grads[src[i] : src[i] + d] to row rows[i]'s gradient g; then
+ * for each distinct row, h += mean(g^2) and w -= lr * g / (sqrt(h) + eps), as fbgemm's kernel.
+ *
+ * No sort: thread t owns the rows with row % threads == t (no two threads write one row). A
+ * hash table chains each distinct row's ids in id order (the order fbgemm sums them in); a
+ * row seen once, most of them, is then updated straight from its gradient. The table rows
+ * are random reads and writes across the whole table, so the next ones are prefetched.
+ */
+#include <math.h>
+#include <stdlib.h>
+
+#define PREFETCH_AHEAD 16
+
+static inline uint64_t mix(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdULL;
+  x ^= x >> 33;
+  return x;
+}
+
+static inline void prefetch_row(const float* p, int64_t d, int write) {
+  for (int64_t k = 0; k < d; k += 16) {
+    if (write)
+      __builtin_prefetch(p + k, 1, 0);
+    else
+      __builtin_prefetch(p + k, 0, 0);
+  }
+}
+
+static inline __attribute__((always_inline)) void update_rows(float* weights, float* momentum, int64_t d,
+    const int64_t* rows, const int64_t* src, const float* scale, const float* grads, const int64_t* first,
+    const int64_t* next, int64_t distinct, float lr, float eps) {
+  float acc[d];
+  for (int64_t u = 0; u < distinct; ++u) {
+    if (u + PREFETCH_AHEAD < distinct) {
+      const int64_t ahead = first[u + PREFETCH_AHEAD];
+      prefetch_row(weights + rows[ahead] * d, d, 1);
+      prefetch_row(grads + src[ahead], d, 0);
+    }
+    int64_t i = first[u];
+    const int64_t row = rows[i];
+    const float* restrict g;
+    if (next[i] < 0 && !scale) {
+      g = grads + src[i];
+    } else {
+      const float c0 = scale ? scale[i] : 1.f;
+      const float* restrict g0 = grads + src[i];
+#pragma omp simd
+      for (int64_t k = 0; k < d; ++k) acc[k] = c0 * g0[k];
+      for (i = next[i]; i >= 0; i = next[i]) {
+        const float c = scale ? scale[i] : 1.f;
+        const float* restrict gi = grads + src[i];
+#pragma omp simd
+        for (int64_t k = 0; k < d; ++k) acc[k] += c * gi[k];
+      }
+      g = acc;
+    }
+    float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
+    for (int64_t k = 0; k < d; ++k) sq += g[k] * g[k];
+    const float h = momentum[row] + sq / (float)d;
+    momentum[row] = h;
+    const float step = -lr / (sqrtf(h) + eps);
+    float* restrict w = weights + row * d;
+#pragma omp simd
+    for (int64_t k = 0; k < d; ++k) w[k] += step * g[k];
+  }
+}
+
+int rowwise_adagrad_update(float* weights, float* momentum, int64_t num_rows, int64_t d, const int64_t* rows,
+                           const int64_t* src, const float* scale, const float* grads, int64_t n, float lr, float eps) {
+  for (int64_t i = 0; i < n; ++i)
+    if (rows[i] < 0 || rows[i] >= num_rows) return -2;
+  int64_t* next = malloc((n + 1) * sizeof(int64_t)); /* next id of the same row, or -1 */
+  if (!next) return -1;
+  int failed = 0;
+#pragma omp parallel reduction(| : failed)
+  {
+    int64_t threads = 1, t = 0;
+#ifdef _OPENMP
+    threads = omp_get_num_threads();
+    t = omp_get_thread_num();
+#endif
+    int64_t mine = 0;
+    for (int64_t i = 0; i < n; ++i) mine += (int64_t)((uint64_t)rows[i] % (uint64_t)threads) == t;
+    int64_t slots = 16;
+    while (slots < 2 * mine) slots <<= 1;
+    int64_t* slot_row = malloc(slots * sizeof(int64_t));
+    int64_t* slot_last = malloc(slots * sizeof(int64_t)); /* last id seen of the slot's row */
+    int64_t* first = malloc((mine + 1) * sizeof(int64_t)); /* first id of each distinct row */
+    if (!slot_row || !slot_last || !first) {
+      failed = 1;
+    } else {
+      for (int64_t s = 0; s < slots; ++s) slot_row[s] = -1;
+      int64_t distinct = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t row = rows[i];
+        if ((int64_t)((uint64_t)row % (uint64_t)threads) != t) continue;
+        next[i] = -1;
+        uint64_t s = mix((uint64_t)row) & (uint64_t)(slots - 1);
+        while (slot_row[s] != -1 && slot_row[s] != row) s = (s + 1) & (uint64_t)(slots - 1);
+        if (slot_row[s] == -1) {
+          slot_row[s] = row;
+          first[distinct++] = i;
+        } else {
+          next[slot_last[s]] = i;
+        }
+        slot_last[s] = i;
+      }
+      if (d == 64)
+        update_rows(weights, momentum, 64, rows, src, scale, grads, first, next, distinct, lr, eps);
+      else if (d == 128)
+        update_rows(weights, momentum, 128, rows, src, scale, grads, first, next, distinct, lr, eps);
+      else
+        update_rows(weights, momentum, d, rows, src, scale, grads, first, next, distinct, lr, eps);
+    }
+    free(slot_row);
+    free(slot_last);
+    free(first);
+  }
+  free(next);
+  return failed ? -1 : 0;
+}

@@ -1,0 +1,135 @@
+"""CPU kernels in C (``cpu_kernels.c``), compiled for this machine and loaded with ctypes.
+
+    python -m torchrec_cloud.native        # build now (scripts/install.sh does), print the library
+
+The library is built once per source, compiler flags, compiler and CPU (``-march=native``:
+a copy built on another machine is never loaded) into ``$TORCHREC_CLOUD_KERNEL_CACHE``
+(default ``~/.cache/torchrec-cloud/kernels``), written to a temporary name and renamed, so
+ranks that start together never load half a file. Without a C compiler, or with
+``TORCHREC_CLOUD_NATIVE=0``, :func:`library` returns None after one warning and callers use
+their torch-op path: same results, slower. The kernels: the dot interaction (model.py) and the
+tables' row-wise Adagrad update (cpu_rowwise_adagrad.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Optional
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+
+
+class NativeBuildError(RuntimeError):
+    """The C kernels could not be compiled or loaded here."""
+
+
+def compiler() -> Optional[str]:
+    """``$CC``, else ``cc`` or ``gcc`` on PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def cache_dir() -> Path:
+    configured = os.environ.get("TORCHREC_CLOUD_KERNEL_CACHE")
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "torchrec-cloud" / "kernels"
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` depends on: the architecture and the CPU's feature flags."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return f"{platform.machine()} {flags.strip()}"
+
+
+def _compiler_version(cc: str) -> str:
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def build() -> Path:
+    """Compile the kernels for this machine unless an identical build is cached; its path."""
+    cc = compiler()
+    if cc is None:
+        raise NativeBuildError("no C compiler found (set CC, or install gcc)")
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), " ".join(FLAGS), _compiler_version(cc), _cpu_signature()]).encode()
+    ).hexdigest()[:16]
+    target = cache_dir() / f"cpu_kernels-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".build-", suffix=".so")
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise NativeBuildError(f"{cc} failed on {SOURCE} (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.dot_interaction_forward.argtypes = [ptr, ptr, ptr, i64, i64, i64]
+    lib.dot_interaction_forward.restype = None
+    lib.dot_interaction_backward.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64]
+    lib.dot_interaction_backward.restype = None
+    f32 = ctypes.c_float
+    lib.rowwise_adagrad_update.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, f32, f32]
+    lib.rowwise_adagrad_update.restype = ctypes.c_int
+    return lib
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> Optional[ctypes.CDLL]:
+    """The loaded kernels, or None (with one warning) where they cannot be built or are switched off."""
+    if os.environ.get("TORCHREC_CLOUD_NATIVE", "1") == "0":
+        return None
+    # torch first: the kernels' libgomp.so.1 then resolves to torch's copy (one thread pool).
+    import torch  # noqa: F401
+
+    try:
+        return _declare(ctypes.CDLL(str(build())))
+    except (NativeBuildError, OSError) as e:
+        warnings.warn(
+            f"torchrec-cloud: CPU kernels unavailable ({e}); the dot interaction uses torch ops "
+            "(same results, slower). Install a C compiler (gcc) to use them.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+
+
+def main() -> int:
+    try:
+        print(build())
+    except NativeBuildError as e:
+        print(f"torchrec-cloud: CPU kernels not built: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

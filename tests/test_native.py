@@ -1,0 +1,96 @@
+"""The C dot interaction (cpu_kernels.c) computes what TorchRec's InteractionArch does, and
+training falls back to torch ops, with a warning, where no C compiler is available."""
+
+import pytest
+import torch
+from torchrec.models.dlrm import InteractionArch
+
+from torchrec_cloud import model, native
+
+
+def _fast(f: int) -> model.DotInteraction:
+    arch = InteractionArch(num_sparse_features=f)
+    arch.__class__ = model.DotInteraction
+    arch.init_flat_indices()
+    return arch
+
+
+def _reference(f, dense, sparse, grad):
+    """TorchRec's own interaction in float64: output and input gradients."""
+    dense64 = dense.detach().double().requires_grad_()
+    sparse64 = sparse.detach().double().requires_grad_()
+    out = InteractionArch(num_sparse_features=f)(dense64, sparse64)
+    return (out, *torch.autograd.grad(out, (dense64, sparse64), grad.double()))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("b, f, d", [(33, 26, 64), (9, 26, 128), (17, 3, 5), (5, 1, 64)])
+def test_native_interaction_matches_torchrec(b, f, d, threads):
+    assert native.library() is not None, "the CPU kernels should build on this machine (gcc is here)"
+    torch.manual_seed(0)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        dense = torch.randn(b, d, requires_grad=True)
+        sparse = torch.randn(b, f, d, requires_grad=True)
+        out = _fast(f)(dense, sparse)
+        assert out.grad_fn is not None and "Native" in type(out.grad_fn).__name__
+        grad = torch.randn_like(out)
+        g_dense, g_sparse = torch.autograd.grad(out, (dense, sparse), grad)
+    finally:
+        torch.set_num_threads(previous)
+    ref_out, ref_dense, ref_sparse = _reference(f, dense, sparse, grad)
+    tol = dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.double(), ref_out, **tol)
+    torch.testing.assert_close(g_dense.double(), ref_dense, **tol)
+    torch.testing.assert_close(g_sparse.double(), ref_sparse, **tol)
+    assert g_sparse.is_contiguous()
+
+
+def test_strided_inputs_give_the_same_result():
+    """Views (a slice of a wider tensor, a transposed layout) are read as their values."""
+    torch.manual_seed(1)
+    f, d = 4, 8
+    wide = torch.randn(6, f + 2, d)
+    sparse = wide[:, 1 : f + 1]
+    dense = torch.randn(d, 6).t()
+    out = _fast(f)(dense, sparse)
+    torch.testing.assert_close(out, _fast(f)(dense.contiguous(), sparse.contiguous()))
+
+
+def test_without_a_compiler_the_interaction_falls_back_with_a_warning(tmp_path, monkeypatch):
+    torch.manual_seed(2)
+    f, d, b = 26, 64, 16
+    dense, sparse = torch.randn(b, d), torch.randn(b, f, d)
+    with_kernel = _fast(f)(dense, sparse)
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("TORCHREC_CLOUD_KERNEL_CACHE", str(tmp_path / "cache"))
+    native.library.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="CPU kernels unavailable.*Install a C compiler"):
+            assert native.library() is None
+        out = _fast(f)(dense.requires_grad_(), sparse)
+        assert "Native" not in type(out.grad_fn).__name__
+        torch.testing.assert_close(out, with_kernel, rtol=1e-5, atol=1e-4)
+    finally:
+        native.library.cache_clear()
+
+
+def test_build_is_cached_per_source_and_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHREC_CLOUD_KERNEL_CACHE", str(tmp_path))
+    first = native.build()
+    mtime = first.stat().st_mtime_ns
+    assert native.build() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left
+
+
+def test_a_failing_compile_says_which_file(tmp_path, monkeypatch):
+    cc = tmp_path / "cc"
+    cc.write_text("#!/bin/sh\necho 'cc: internal error' >&2\nexit 3\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("TORCHREC_CLOUD_KERNEL_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(native.NativeBuildError, match=r"(?s)cpu_kernels\.c \(exit 3\).*internal error"):
+        native.build()
+    assert not any((tmp_path / "cache").iterdir())
