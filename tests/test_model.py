@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torchrec.models import dlrm
 
 from torchrec_cloud.config import OptimizerConfig, parse_job_config
 from torchrec_cloud.data import SyntheticSource
@@ -18,7 +19,9 @@ def test_interactions_build_with_tables_on_meta(interaction, cls):
     extra += ["--interaction_branch1_layer_sizes", "16,16", "--interaction_branch2_layer_sizes", "16,16"]
     cfg = parse_job_config(SMALL + ["--interaction", interaction] + extra)
     model = build_model(cfg.model, dense_device=torch.device("cpu"))
-    assert type(model.model).__name__ == cls
+    # TorchRec's class of that interaction, with the tables' lookup started first (model._SparseFirst)
+    assert type(model.model).__name__ == f"SparseFirst{cls}"
+    assert type(model.model).__bases__[-1] is getattr(dlrm, cls)
     tables = list(model.model.sparse_arch.embedding_bag_collection.parameters())
     assert len(tables) == 26 and all(t.is_meta for t in tables)
     dense = [p for n, p in model.named_parameters() if "sparse_arch" not in n]

@@ -4,7 +4,9 @@
  * Built for the machine it runs on and loaded with ctypes by native.py; model.py's
  * DotInteraction uses it on CPU and falls back to torch ops when it is not available.
  *
- * One sample has n = F + 1 rows of width D: the dense row, then F pooled embeddings.
+ * One sample has n = F + 1 rows of width D: the dense row, then F pooled embeddings. Sharded
+ * tables deliver their pooled embeddings grouped by rank; order[i] (or NULL: i) is the column of
+ * feature i in that layout, so they are read, and their gradients written, in place.
  * forward:  out[b] = [dense[b], dot(r_i, r_j) for i < j in row-major order]
  *           (torch.triu_indices(n, n, offset=1), as TorchRec's InteractionArch)
  * backward: with w_ij the gradient of pair (i, j),
@@ -58,13 +60,13 @@ static inline __attribute__((always_inline)) void sample_pairs(const float* cons
 }
 
 static inline __attribute__((always_inline)) void forward_samples(const float* dense, const float* sparse,
-                                                                  float* out, int64_t b0, int64_t b1, int64_t f,
-                                                                  int64_t d) {
+                                                                  const int64_t* order, float* out, int64_t b0,
+                                                                  int64_t b1, int64_t f, int64_t d) {
   const int64_t n = f + 1, width = d + n * (n - 1) / 2;
   const float* rows[n];
   for (int64_t b = b0; b < b1; ++b) {
     rows[0] = dense + b * d;
-    for (int64_t i = 1; i < n; ++i) rows[i] = sparse + (b * f + i - 1) * d;
+    for (int64_t i = 1; i < n; ++i) rows[i] = sparse + (b * f + (order ? order[i - 1] : i - 1)) * d;
     float* o = out + b * width;
     memcpy(o, rows[0], d * sizeof(float));
     sample_pairs(rows, n, d, o + d);
@@ -73,9 +75,9 @@ static inline __attribute__((always_inline)) void forward_samples(const float* d
 
 /* Each pair adds to both of its rows' gradients; row i's accumulator stays hot across j. */
 static inline __attribute__((always_inline)) void backward_samples(const float* grad_out, const float* dense,
-                                                                   const float* sparse, float* grad_dense,
-                                                                   float* grad_sparse, int64_t b0, int64_t b1,
-                                                                   int64_t f, int64_t d) {
+                                                                   const float* sparse, const int64_t* order,
+                                                                   float* grad_dense, float* grad_sparse, int64_t b0,
+                                                                   int64_t b1, int64_t f, int64_t d) {
   const int64_t n = f + 1, width = d + n * (n - 1) / 2;
   const float* rows[n];
   float* acc[n];
@@ -83,12 +85,13 @@ static inline __attribute__((always_inline)) void backward_samples(const float* 
     rows[0] = dense + b * d;
     acc[0] = grad_dense + b * d;
     for (int64_t i = 1; i < n; ++i) {
-      rows[i] = sparse + (b * f + i - 1) * d;
-      acc[i] = grad_sparse + (b * f + i - 1) * d;
+      const int64_t column = order ? order[i - 1] : i - 1;
+      rows[i] = sparse + (b * f + column) * d;
+      acc[i] = grad_sparse + (b * f + column) * d;
     }
     const float* g = grad_out + b * width;
     memcpy(acc[0], g, d * sizeof(float));
-    if (f > 0) memset(acc[1], 0, f * d * sizeof(float));
+    if (f > 0) memset(grad_sparse + b * f * d, 0, f * d * sizeof(float));
     const float* w = g + d;
     for (int64_t i = 0; i < n; ++i) {
       float* restrict ai = acc[i];
@@ -119,33 +122,33 @@ static void thread_share(int64_t batch, int64_t* b0, int64_t* b1) {
 }
 
 /* The common widths are compile-time constants, so their inner loops unroll into whole vectors. */
-void dot_interaction_forward(const float* dense, const float* sparse, float* out, int64_t batch, int64_t f,
-                             int64_t d) {
+void dot_interaction_forward(const float* dense, const float* sparse, const int64_t* order, float* out,
+                             int64_t batch, int64_t f, int64_t d) {
 #pragma omp parallel
   {
     int64_t b0, b1;
     thread_share(batch, &b0, &b1);
     if (d == 64)
-      forward_samples(dense, sparse, out, b0, b1, f, 64);
+      forward_samples(dense, sparse, order, out, b0, b1, f, 64);
     else if (d == 128)
-      forward_samples(dense, sparse, out, b0, b1, f, 128);
+      forward_samples(dense, sparse, order, out, b0, b1, f, 128);
     else
-      forward_samples(dense, sparse, out, b0, b1, f, d);
+      forward_samples(dense, sparse, order, out, b0, b1, f, d);
   }
 }
 
-void dot_interaction_backward(const float* grad_out, const float* dense, const float* sparse, float* grad_dense,
-                              float* grad_sparse, int64_t batch, int64_t f, int64_t d) {
+void dot_interaction_backward(const float* grad_out, const float* dense, const float* sparse, const int64_t* order,
+                              float* grad_dense, float* grad_sparse, int64_t batch, int64_t f, int64_t d) {
 #pragma omp parallel
   {
     int64_t b0, b1;
     thread_share(batch, &b0, &b1);
     if (d == 64)
-      backward_samples(grad_out, dense, sparse, grad_dense, grad_sparse, b0, b1, f, 64);
+      backward_samples(grad_out, dense, sparse, order, grad_dense, grad_sparse, b0, b1, f, 64);
     else if (d == 128)
-      backward_samples(grad_out, dense, sparse, grad_dense, grad_sparse, b0, b1, f, 128);
+      backward_samples(grad_out, dense, sparse, order, grad_dense, grad_sparse, b0, b1, f, 128);
     else
-      backward_samples(grad_out, dense, sparse, grad_dense, grad_sparse, b0, b1, f, d);
+      backward_samples(grad_out, dense, sparse, order, grad_dense, grad_sparse, b0, b1, f, d);
   }
 }
 

@@ -9,6 +9,8 @@ rank's shards, so a 40M-row table never exists whole on one process::
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torchrec.models.dlrm import (
     DLRM,
@@ -71,6 +73,7 @@ def build_model(cfg: ModelConfig, dense_device: torch.device) -> DLRMTrain:
 
 
 def _use_fast_arches(dlrm: torch.nn.Module) -> None:
+    dlrm.__class__ = _SPARSE_FIRST[type(dlrm)]
     dlrm.sparse_arch.__class__ = FlatSparseArch
     if type(dlrm.inter_arch) is InteractionArch:
         dlrm.inter_arch.__class__ = DotInteraction
@@ -114,20 +117,72 @@ class FlatSparseArch(SparseArch):
     """SparseArch without the split-and-concatenate of the pooled embeddings.
 
     TorchRec's version turns the KeyedTensor into a dict of 26 views and concatenates them
-    back, a full copy forward and backward. When the keys are already in feature order (they
-    are, for our tables), the values are the [B, F*D] matrix it rebuilds.
+    back, a full copy forward and backward. The values are already the [B, F*D] matrix it
+    rebuilds, with the features in key order: feature order in a world of one, grouped by
+    rank when the tables are sharded. :meth:`keyed` hands them over as they are, with the
+    order to read them in, and the interaction reads them in place.
     """
 
+    def keyed(self, pooled) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """([B, F, D] in key order, the key-order column of each feature or None if the same)."""
+        values = pooled.values().reshape(-1, self.F, self.D)
+        # The train pipeline traces the forward only to find the sharded module's inputs;
+        # the key check is plain Python on real steps.
+        if torch.fx._symbolic_trace.is_fx_tracing():
+            return values, None
+        keys = tuple(pooled.keys())
+        if keys not in self.__dict__.setdefault("_orders", {}):
+            if sorted(keys) != sorted(self.sparse_feature_names):
+                raise ValueError(f"pooled embeddings have keys {list(keys)}, expected {self.sparse_feature_names}")
+            column = {name: i for i, name in enumerate(keys)}
+            order = torch.tensor([column[name] for name in self.sparse_feature_names], device=values.device)
+            identity = keys == tuple(self.sparse_feature_names)
+            self.__dict__["_orders"][keys] = None if identity else order
+        return values, self.__dict__["_orders"][keys]
+
     def forward(self, features):  # type: ignore[override]
-        pooled = self.embedding_bag_collection(features)
-        # The train pipeline traces this forward only to find the sharded module's inputs;
-        # the key check is plain Python on real steps. Sharded over several ranks, the keys
-        # come grouped by rank: reorder what was pooled (the module runs once per step).
-        if not torch.fx._symbolic_trace.is_fx_tracing() and pooled.keys() != self.sparse_feature_names:
-            by_name = pooled.to_dict()
-            ordered = [by_name[name] for name in self.sparse_feature_names]
-            return torch.cat(ordered, dim=1).reshape(-1, self.F, self.D)
-        return pooled.values().reshape(-1, self.F, self.D)
+        values, order = self.keyed(self.embedding_bag_collection(features))
+        return in_feature_order(values, order)
+
+
+def in_feature_order(values: torch.Tensor, order: Optional[torch.Tensor]) -> torch.Tensor:
+    return values if order is None else values.index_select(1, order)
+
+
+class _SparseFirst:
+    """DLRM's forward with the tables first.
+
+    TorchRec's DLRM runs the dense MLP, then the tables, and waits for their pooled
+    embeddings at once. Sharded over several ranks, the tables' output travels in an
+    all-to-all: started first, it moves while the dense MLP computes. In backward, autograd
+    then runs the dense MLP's backward between sending the tables' gradients and waiting for
+    them, and the dense gradients' all-reduce overlaps the tables' update. Same arithmetic.
+    """
+
+    def forward(self, dense_features: torch.Tensor, sparse_features) -> torch.Tensor:
+        pooled = self.sparse_arch.embedding_bag_collection(sparse_features)
+        embedded_dense = self.dense_arch(dense_features)
+        values, order = self.sparse_arch.keyed(pooled)
+        if isinstance(self.inter_arch, DotInteraction):
+            interacted = self.inter_arch(embedded_dense, values, order)
+        else:
+            interacted = self.inter_arch(dense_features=embedded_dense, sparse_features=in_feature_order(values, order))
+        return self.over_arch(interacted)
+
+
+class SparseFirstDLRM(_SparseFirst, DLRM):
+    pass
+
+
+class SparseFirstDLRM_DCN(_SparseFirst, DLRM_DCN):
+    pass
+
+
+class SparseFirstDLRM_Projection(_SparseFirst, DLRM_Projection):
+    pass
+
+
+_SPARSE_FIRST = {DLRM: SparseFirstDLRM, DLRM_DCN: SparseFirstDLRM_DCN, DLRM_Projection: SparseFirstDLRM_Projection}
 
 
 class DotInteraction(InteractionArch):
@@ -150,7 +205,10 @@ class DotInteraction(InteractionArch):
         self.register_buffer("flat_upper", rows * n + cols, persistent=False)
         self.register_buffer("sym_source", sym_source, persistent=False)
 
-    def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, dense_features: torch.Tensor, sparse_features: torch.Tensor, order: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """``order`` (from :meth:`FlatSparseArch.keyed`): feature i is column order[i] of sparse_features."""
         if self.F <= 0:
             return dense_features
         # Float32 even under bf16 autocast: with n = F + 1 = 27 rows the products are small
@@ -159,7 +217,8 @@ class DotInteraction(InteractionArch):
         dtype = torch.promote_types(dense_features.dtype, sparse_features.dtype)
         if dtype == torch.float32 and not dense_features.is_cuda and native.library() is not None:
             with torch.autocast("cpu", enabled=False):
-                return _NativeDotInteractionFn.apply(dense_features.float(), sparse_features.float())
+                return _NativeDotInteractionFn.apply(dense_features.float(), sparse_features.float(), order)
+        sparse_features = in_feature_order(sparse_features, order)
         with torch.autocast(dense_features.device.type, enabled=False):
             return _DotInteractionFn.apply(
                 dense_features.to(dtype), sparse_features.to(dtype), self.flat_upper, self.sym_source
@@ -198,17 +257,20 @@ class _DotInteractionFn(torch.autograd.Function):
 
 class _NativeDotInteractionFn(torch.autograd.Function):
     """The same interaction on CPU through ``cpu_kernels.c``: only the pairs are computed, with
-    no concatenated copy of the rows and no full Gram matrix, and the tables' gradient comes
-    out contiguous (their row-wise Adagrad reads it without a copy)."""
+    no concatenated copy of the rows and no full Gram matrix; the pooled embeddings are read in
+    the order they arrive in, and their gradient is written contiguous in that order (the
+    tables' row-wise Adagrad reads it without a copy)."""
 
     @staticmethod
-    def forward(ctx, dense, sparse):  # type: ignore[override]
+    def forward(ctx, dense, sparse, order):  # type: ignore[override]
         dense, sparse = dense.contiguous(), sparse.contiguous()
         b, f, d = sparse.shape
         n = f + 1
         out = dense.new_empty(b, d + n * (n - 1) // 2)
-        native.library().dot_interaction_forward(dense.data_ptr(), sparse.data_ptr(), out.data_ptr(), b, f, d)
+        order_ptr = order.data_ptr() if order is not None else None
+        native.library().dot_interaction_forward(dense.data_ptr(), sparse.data_ptr(), order_ptr, out.data_ptr(), b, f, d)
         ctx.save_for_backward(dense, sparse)
+        ctx.order = order
         return out
 
     @staticmethod
@@ -217,7 +279,9 @@ class _NativeDotInteractionFn(torch.autograd.Function):
         grad_out = grad_out.float().contiguous()
         b, f, d = sparse.shape
         grad_dense, grad_sparse = torch.empty_like(dense), torch.empty_like(sparse)
+        order_ptr = ctx.order.data_ptr() if ctx.order is not None else None
         native.library().dot_interaction_backward(
-            grad_out.data_ptr(), dense.data_ptr(), sparse.data_ptr(), grad_dense.data_ptr(), grad_sparse.data_ptr(), b, f, d
-        )
-        return grad_dense, grad_sparse
+            grad_out.data_ptr(), dense.data_ptr(), sparse.data_ptr(), order_ptr,
+            grad_dense.data_ptr(), grad_sparse.data_ptr(), b, f, d,
+        )  # fmt: skip
+        return grad_dense, grad_sparse, None
