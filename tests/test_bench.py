@@ -28,6 +28,8 @@ def test_bench_json_last_line_has_every_figure():
     # FLOPs per sample of the quickstart dense compute: MLPs + interaction, fwd + bwd.
     assert 2.5e6 < result["flops_per_sample"] < 4.0e6
     assert "hand-written PyTorch" in proc.stdout
+    # Which CPU step was measured: here a compiler is present, so the C kernels.
+    assert result["cpu_kernels"] == "native" and "CPU kernels: native" in proc.stdout
 
 
 def test_precision_defaults_to_fp32_and_rejects_unknown_values():

@@ -154,6 +154,10 @@ def worker_ours(cfg, steps: int, warmup: int, precision: str = "fp32", profile: 
         "precision": precision,
         "ms_per_step": seconds / steps * 1e3,
     }
+    if not on_gpu:
+        from torchrec_cloud import native
+
+        result["cpu_kernels"] = "native" if native.library() is not None else "torch ops"
     if on_gpu:
         result["peak_gpu_mem_gb"] = torch.cuda.max_memory_allocated(env.device) / 2**30
     dist.barrier()
@@ -316,6 +320,7 @@ def run_bench(batch_size: int, steps: int, warmup: int, extra: list[str], precis
         "ours_vs_bound": ours["samples_per_s"] / bound_samples_per_s,
         "ours_vs_handwritten": ours["samples_per_s"] / hand["samples_per_s"],
         "ours_2rank_vs_1rank": ours2["samples_per_s"] / ours["samples_per_s"],
+        "cpu_kernels": ours_first.get("cpu_kernels", "-"),
     }
 
 
@@ -328,7 +333,7 @@ def format_table(r: dict[str, Any]) -> str:
         ("ours, 2 ranks", r["ours_2rank_samples_per_s"], r["ours_2rank_peak_rss_mb_per_rank"], f"{r['ours_2rank_vs_1rank']:.2f}x 1 rank (RSS per rank)"),
         ("hand-written PyTorch", r["handwritten_samples_per_s"], r["handwritten_peak_rss_mb"], f"ours = {r['ours_vs_handwritten']:.2f}x"),
     ]
-    lines = [f"quickstart model, batch {r['batch_size']}, {r['cpu_cores']} cores", f"{'':<22}{'samples/s':>11}{'peak RSS MB':>13}  note"]
+    lines = [f"quickstart model, batch {r['batch_size']}, {r['cpu_cores']} cores, CPU kernels: {r.get('cpu_kernels', '-')}", f"{'':<22}{'samples/s':>11}{'peak RSS MB':>13}  note"]
     for name, sps, rss, note in rows:
         lines.append(f"{name:<22}{sps:>11,.0f}{(f'{rss:,.0f}' if rss else '-'):>13}  {note}")
     return "\n".join(lines)

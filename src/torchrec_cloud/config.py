@@ -198,9 +198,9 @@ class OptimizerConfig:
     lr_end: float = 0.0
     """Learning rate at the end of the decay, as a fraction of the peak."""
     cpu_embedding_update: Literal["torch", "fbgemm"] = "torch"
-    """On CPU, who applies the tables' row-wise Adagrad in backward: ``torch`` (one
-    whole-batch update per table group, ~1.7x faster) or fbgemm's own kernel. The
-    arithmetic is the same; GPUs always use fbgemm."""
+    """On CPU, who applies the tables' row-wise Adagrad in backward: ``torch`` (one update
+    per table group: our C kernel, or torch ops where it cannot be built; 2-5x faster) or
+    fbgemm's own per-table kernel. The arithmetic is the same; GPUs always use fbgemm."""
 
     def __post_init__(self) -> None:
         _positive("learning_rate", self.learning_rate)
