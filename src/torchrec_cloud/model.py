@@ -131,14 +131,14 @@ class FlatSparseArch(SparseArch):
         if torch.fx._symbolic_trace.is_fx_tracing():
             return values, None
         keys = tuple(pooled.keys())
-        if keys not in self.__dict__.setdefault("_orders", {}):
+        orders = self.__dict__.setdefault("_orders", {})  # a plain cache, not module state
+        if (keys, values.device) not in orders:
             if sorted(keys) != sorted(self.sparse_feature_names):
                 raise ValueError(f"pooled embeddings have keys {list(keys)}, expected {self.sparse_feature_names}")
             column = {name: i for i, name in enumerate(keys)}
             order = torch.tensor([column[name] for name in self.sparse_feature_names], device=values.device)
-            identity = keys == tuple(self.sparse_feature_names)
-            self.__dict__["_orders"][keys] = None if identity else order
-        return values, self.__dict__["_orders"][keys]
+            orders[keys, values.device] = None if keys == tuple(self.sparse_feature_names) else order
+        return values, orders[keys, values.device]
 
     def forward(self, features):  # type: ignore[override]
         values, order = self.keyed(self.embedding_bag_collection(features))
@@ -215,7 +215,7 @@ class DotInteraction(InteractionArch):
         # and misaligned for bf16 tensor cores (an H100 ran them in Turing-era kernels), and
         # the casts of the [B, n, D] operand cost more than the products themselves.
         dtype = torch.promote_types(dense_features.dtype, sparse_features.dtype)
-        if dtype == torch.float32 and not dense_features.is_cuda and native.library() is not None:
+        if dtype == torch.float32 and dense_features.device.type == "cpu" and native.library() is not None:
             with torch.autocast("cpu", enabled=False):
                 return _NativeDotInteractionFn.apply(dense_features.float(), sparse_features.float(), order)
         sparse_features = in_feature_order(sparse_features, order)
