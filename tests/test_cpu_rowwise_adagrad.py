@@ -13,7 +13,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 )
 
 from helpers import PYTHON, TINY, evals, explain, read_metrics, run
-from torchrec_cloud import cpu_rowwise_adagrad
+from torchrec_cloud import cpu_rowwise_adagrad, native
 
 
 @pytest.fixture
@@ -22,12 +22,23 @@ def restore_fbgemm():
     cpu_rowwise_adagrad.uninstall()
 
 
+@pytest.fixture(params=["C kernel", "torch ops"])
+def update_path(request, monkeypatch):
+    """Both ways the update runs: the C kernel, and torch ops where it cannot be built."""
+    if request.param == "torch ops":
+        monkeypatch.setenv("TORCHREC_CLOUD_NATIVE", "0")
+    native.library.cache_clear()
+    assert (native.library() is not None) == (request.param == "C kernel")
+    yield request.param
+    native.library.cache_clear()
+
+
 @pytest.mark.parametrize(
     "max_bag, weighted, pooling",
     [(1, False, PoolingMode.SUM), (4, False, PoolingMode.SUM), (3, True, PoolingMode.SUM), (3, False, PoolingMode.MEAN)],
     ids=["one-hot", "multi-hot with empty bags", "weighted", "mean pooling"],
 )
-def test_update_matches_fbgemm_kernel(restore_fbgemm, max_bag, weighted, pooling):
+def test_update_matches_fbgemm_kernel(restore_fbgemm, update_path, max_bag, weighted, pooling):
     torch.manual_seed(0)
     sizes, dim, batch = [50, 30, 40], 8, 16
     specs = [(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for rows in sizes]
@@ -55,6 +66,21 @@ def test_update_matches_fbgemm_kernel(restore_fbgemm, max_bag, weighted, pooling
     torch.testing.assert_close(ours.weights_host, ref.weights_host)
     torch.testing.assert_close(ours.momentum1_host, ref.momentum1_host)
     assert float(ref.momentum1_host.abs().sum()) > 0  # the optimizer did run
+
+
+def test_an_id_outside_the_tables_is_refused_before_any_row_changes(update_path):
+    """fbgemm's forward checks each table's bounds; the update still never writes outside the
+    tables' buffer (here two features of 10 rows, and the second feature's id 15 is row 25)."""
+    torch.manual_seed(0)
+    weights, momentum = torch.randn(20, 4), torch.zeros(20)
+    before = weights.clone()
+    ids = torch.tensor([3, 1, 15, 2])  # bags feature-major: two per feature, one id each
+    offsets = torch.arange(5)
+    with pytest.raises(IndexError):
+        cpu_rowwise_adagrad.rowwise_adagrad_update(
+            weights, momentum, torch.tensor([0, 10]), ids, offsets, torch.randn(2, 8), lr=0.1, eps=1e-8
+        )
+    assert torch.equal(weights, before) and not momentum.any()
 
 
 def test_eval_without_grad_goes_to_fbgemm(restore_fbgemm):
