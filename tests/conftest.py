@@ -57,3 +57,17 @@ def storage_root(request, tmp_path, monkeypatch):
     for key, value in service.env.items():
         monkeypatch.setenv(key, value)
     yield f"{service.url}/{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(params=["C kernel", "torch ops"])
+def cpu_kernel_path(request, monkeypatch):
+    """Run a test both ways the CPU step can run: with the C kernels (native.py), and on
+    torch ops as where they cannot be built (``TORCHREC_CLOUD_NATIVE=0``)."""
+    from torchrec_cloud import native
+
+    if request.param == "torch ops":
+        monkeypatch.setenv("TORCHREC_CLOUD_NATIVE", "0")
+    native.library.cache_clear()
+    assert (native.library() is not None) == (request.param == "C kernel")
+    yield request.param
+    native.library.cache_clear()

@@ -13,7 +13,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 )
 
 from helpers import PYTHON, TINY, evals, explain, read_metrics, run
-from torchrec_cloud import cpu_rowwise_adagrad, native
+from torchrec_cloud import cpu_rowwise_adagrad
 
 
 @pytest.fixture
@@ -22,23 +22,12 @@ def restore_fbgemm():
     cpu_rowwise_adagrad.uninstall()
 
 
-@pytest.fixture(params=["C kernel", "torch ops"])
-def update_path(request, monkeypatch):
-    """Both ways the update runs: the C kernel, and torch ops where it cannot be built."""
-    if request.param == "torch ops":
-        monkeypatch.setenv("TORCHREC_CLOUD_NATIVE", "0")
-    native.library.cache_clear()
-    assert (native.library() is not None) == (request.param == "C kernel")
-    yield request.param
-    native.library.cache_clear()
-
-
 @pytest.mark.parametrize(
     "max_bag, weighted, pooling",
     [(1, False, PoolingMode.SUM), (4, False, PoolingMode.SUM), (3, True, PoolingMode.SUM), (3, False, PoolingMode.MEAN)],
     ids=["one-hot", "multi-hot with empty bags", "weighted", "mean pooling"],
 )
-def test_update_matches_fbgemm_kernel(restore_fbgemm, update_path, max_bag, weighted, pooling):
+def test_update_matches_fbgemm_kernel(restore_fbgemm, cpu_kernel_path, max_bag, weighted, pooling):
     torch.manual_seed(0)
     sizes, dim, batch = [50, 30, 40], 8, 16
     specs = [(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for rows in sizes]
@@ -68,7 +57,7 @@ def test_update_matches_fbgemm_kernel(restore_fbgemm, update_path, max_bag, weig
     assert float(ref.momentum1_host.abs().sum()) > 0  # the optimizer did run
 
 
-def test_an_id_outside_the_tables_is_refused_before_any_row_changes(update_path):
+def test_an_id_outside_the_tables_is_refused_before_any_row_changes(cpu_kernel_path):
     """fbgemm's forward checks each table's bounds; the update still never writes outside the
     tables' buffer (here two features of 10 rows, and the second feature's id 15 is row 25)."""
     torch.manual_seed(0)

@@ -96,33 +96,26 @@ def test_a_failing_compile_says_which_file(tmp_path, monkeypatch):
     assert not any((tmp_path / "cache").iterdir())
 
 
-@pytest.mark.parametrize("kernel", ["native", "torch ops"])
-def test_interaction_reads_pooled_embeddings_in_rank_order(kernel, monkeypatch):
+def test_interaction_reads_pooled_embeddings_in_rank_order(cpu_kernel_path):
     """Sharded tables deliver their features grouped by rank (0, 2, 4, ..., 1, 3, ...): with
     that column order the interaction gives what it gives on features in order, and the
     tables' gradient lands in the columns they came from."""
-    if kernel == "torch ops":
-        monkeypatch.setenv("TORCHREC_CLOUD_NATIVE", "0")
-    native.library.cache_clear()
-    try:
-        torch.manual_seed(3)
-        b, f, d = 12, 6, 16
-        in_order = torch.randn(b, f, d)
-        by_rank = [0, 2, 4, 1, 3, 5]  # feature held in each arriving column
-        arriving = in_order[:, by_rank].clone().requires_grad_()
-        order = torch.tensor([by_rank.index(i) for i in range(f)])  # column of each feature
-        dense = torch.randn(b, d, requires_grad=True)
-        arch = _fast(f)
-        out = arch(dense, arriving, order)
-        expected = arch(dense.detach(), in_order)
-        torch.testing.assert_close(out, expected)
-        grad = torch.randn_like(out)
-        (g_arriving,) = torch.autograd.grad(out, (arriving,), grad)
-        ordered = in_order.clone().requires_grad_()
-        (g_ordered,) = torch.autograd.grad(arch(dense.detach(), ordered), (ordered,), grad)
-        torch.testing.assert_close(g_arriving, g_ordered[:, by_rank])
-    finally:
-        native.library.cache_clear()
+    torch.manual_seed(3)
+    b, f, d = 12, 6, 16
+    in_order = torch.randn(b, f, d)
+    by_rank = [0, 2, 4, 1, 3, 5]  # feature held in each arriving column
+    arriving = in_order[:, by_rank].clone().requires_grad_()
+    order = torch.tensor([by_rank.index(i) for i in range(f)])  # column of each feature
+    dense = torch.randn(b, d, requires_grad=True)
+    arch = _fast(f)
+    out = arch(dense, arriving, order)
+    expected = arch(dense.detach(), in_order)
+    torch.testing.assert_close(out, expected)
+    grad = torch.randn_like(out)
+    (g_arriving,) = torch.autograd.grad(out, (arriving,), grad)
+    ordered = in_order.clone().requires_grad_()
+    (g_ordered,) = torch.autograd.grad(arch(dense.detach(), ordered), (ordered,), grad)
+    torch.testing.assert_close(g_arriving, g_ordered[:, by_rank])
 
 
 @pytest.mark.parametrize("interaction", ["dot", "dcn", "projection"])

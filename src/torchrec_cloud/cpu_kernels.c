@@ -110,13 +110,20 @@ static inline __attribute__((always_inline)) void backward_samples(const float* 
   }
 }
 
+/* Inside a parallel region: how many threads run it, and which one this is. */
+static void this_thread(int64_t* threads, int64_t* t) {
+  *threads = 1;
+  *t = 0;
+#ifdef _OPENMP
+  *threads = omp_get_num_threads();
+  *t = omp_get_thread_num();
+#endif
+}
+
 /* This thread's share of the batch, contiguous so each thread streams its own rows. */
 static void thread_share(int64_t batch, int64_t* b0, int64_t* b1) {
-  int64_t threads = 1, t = 0;
-#ifdef _OPENMP
-  threads = omp_get_num_threads();
-  t = omp_get_thread_num();
-#endif
+  int64_t threads, t;
+  this_thread(&threads, &t);
   *b0 = batch * t / threads;
   *b1 = batch * (t + 1) / threads;
 }
@@ -232,11 +239,8 @@ int rowwise_adagrad_update(float* weights, float* momentum, int64_t num_rows, in
   int failed = 0;
 #pragma omp parallel reduction(| : failed)
   {
-    int64_t threads = 1, t = 0;
-#ifdef _OPENMP
-    threads = omp_get_num_threads();
-    t = omp_get_thread_num();
-#endif
+    int64_t threads, t;
+    this_thread(&threads, &t);
     int64_t mine = 0;
     for (int64_t i = 0; i < n; ++i) mine += (int64_t)((uint64_t)rows[i] % (uint64_t)threads) == t;
     int64_t slots = 16;

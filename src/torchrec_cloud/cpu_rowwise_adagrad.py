@@ -133,7 +133,7 @@ def rowwise_adagrad_update(
         src = (bag - feature * batch) * grad_output.stride(0) + feature * dim
         status = lib.rowwise_adagrad_update(
             weights.data_ptr(), momentum.data_ptr(), weights.shape[0], dim, rows.data_ptr(), src.data_ptr(),
-            scale.contiguous().data_ptr() if scale is not None else None, grad_output.data_ptr(), n, lr, eps,
+            scale.data_ptr() if scale is not None else None, grad_output.data_ptr(), n, lr, eps,
         )  # fmt: skip
         if status == -2:
             raise IndexError(f"row-wise Adagrad: an embedding row is outside the {weights.shape[0]} rows of its tables")
