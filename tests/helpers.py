@@ -26,6 +26,18 @@ TINY = [
 ]  # fmt: skip
 
 
+def shm_usable(ranks: int = 2) -> bool:
+    """Whether ranks on this machine move their collectives through /dev/shm (shm_group.py)."""
+    from torchrec_cloud import native, shm_group
+
+    try:
+        stat = os.statvfs(shm_group.SHM_DIR)
+    except OSError:
+        return False
+    free = stat.f_bavail * stat.f_frsize
+    return free >= ranks * shm_group.MIN_FREE_PER_RANK and native.library() is not None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

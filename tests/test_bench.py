@@ -2,7 +2,7 @@
 
 import json
 
-from helpers import PYTHON, explain, run
+from helpers import PYTHON, explain, run, shm_usable
 
 KEYS = (
     "bound_samples_per_s", "ours_samples_per_s", "ours_2rank_samples_per_s",
@@ -30,6 +30,10 @@ def test_bench_json_last_line_has_every_figure():
     assert "hand-written PyTorch" in proc.stdout
     # Which CPU step was measured: here a compiler is present, so the C kernels.
     assert result["cpu_kernels"] == "native" and "CPU kernels: native" in proc.stdout
+    # And how the 2 ranks exchanged embeddings and gradients: through /dev/shm where it can.
+    expected = "shared memory + gloo" if shm_usable() else "gloo"
+    assert result["ours_2rank_collectives"] == expected, result
+    assert f"(RSS per rank; {expected})" in proc.stdout
 
 
 def test_precision_defaults_to_fp32_and_rejects_unknown_values():

@@ -281,3 +281,57 @@ int rowwise_adagrad_update(float* weights, float* momentum, int64_t num_rows, in
   free(next);
   return failed ? -1 : 0;
 }
+
+/*
+ * Signals between ranks on one host (shm_group.py): a rank writes a collective's data into
+ * shared memory, then publishes the collective's number in a 32-bit counter that the other
+ * ranks sleep on (a futex in the shared mapping). Counters wrap; comparisons are modular.
+ */
+#ifdef __linux__
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#define cpu_relax() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define cpu_relax() __asm__ __volatile__("yield")
+#else
+#define cpu_relax() ((void)0)
+#endif
+
+/* Publish value: every earlier store, non-temporal copies included, is visible first. */
+int shm_publish(int32_t* word, int32_t value) {
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  __atomic_store_n(word, value, __ATOMIC_SEQ_CST);
+  syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+  return 0;
+}
+
+/* Sleep until *word has reached target: 0, or -1 once timeout_ms have passed. Called through
+   ctypes, which releases the GIL, so the process's other threads run meanwhile. */
+int shm_wait(int32_t* word, int32_t target, int64_t timeout_ms) {
+  struct timespec start, now;
+  clock_gettime(CLOCK_MONOTONIC, &start);
+  for (int spin = 0;; ++spin) {
+    const int32_t seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+    if ((int32_t)((uint32_t)seen - (uint32_t)target) >= 0) return 0;
+    if (spin < 200) {
+      cpu_relax();
+      continue;
+    }
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    const int64_t waited_ms = (now.tv_sec - start.tv_sec) * 1000 + (now.tv_nsec - start.tv_nsec) / 1000000;
+    if (waited_ms >= timeout_ms) return -1;
+    /* Wake up at least every 100 ms to re-check the clock. */
+    struct timespec nap = {0, 100 * 1000 * 1000};
+    syscall(SYS_futex, word, FUTEX_WAIT, seen, &nap, NULL, 0);
+  }
+}
+#else /* no futex: shm_group.py does not use shared memory here */
+int shm_publish(int32_t* word, int32_t value) { (void)word; (void)value; return -2; }
+int shm_wait(int32_t* word, int32_t target, int64_t timeout_ms) { (void)word; (void)target; (void)timeout_ms; return -2; }
+#endif

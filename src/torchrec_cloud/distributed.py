@@ -74,7 +74,7 @@ def init_distributed(backend: str = "auto", num_threads: int = 0) -> Env:
     torch.set_num_threads(threads)
     keep_freed_memory()
     if not dist.is_initialized():
-        timeout = timedelta(seconds=int(os.environ.get("TORCHREC_CLOUD_PG_TIMEOUT_S", "1800")))
+        timeout = _pg_timeout()
         if world_size == 1 and "MASTER_ADDR" not in os.environ:
             dist.init_process_group(
                 backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
@@ -84,6 +84,36 @@ def init_distributed(backend: str = "auto", num_threads: int = 0) -> Env:
                 backend, timeout=timeout, device_id=device if backend == "nccl" else None
             )
     return Env(rank, world_size, local_rank, local_world_size, device, backend)
+
+
+def _pg_timeout() -> timedelta:
+    return timedelta(seconds=int(os.environ.get("TORCHREC_CLOUD_PG_TIMEOUT_S", "1800")))
+
+
+_step_group: list[tuple[Any, dist.ProcessGroup]] = []  # (the default group it was made under, it)
+
+
+def step_process_group(env: Env) -> dist.ProcessGroup:
+    """The group the training step's collectives run on: for CPU ranks on one host, one that
+    moves the all-to-alls and gradient all-reduces through shared memory (shm_group.py);
+    otherwise the default group. Made once per process (collective: every rank calls it)."""
+    world = dist.GroupMember.WORLD
+    if env.device.type != "cpu" or env.world_size < 2:
+        return world
+    if not _step_group or _step_group[0][0] is not world:
+        from torchrec_cloud.shm_group import shared_memory_group
+
+        _step_group[:] = [(world, shared_memory_group(_pg_timeout()) or world)]
+    return _step_group[0][1]
+
+
+def collectives(dmp: DistributedModelParallel) -> str:
+    """How the sharded model's step communicates: "shared memory + gloo", "gloo", "nccl"."""
+    from torchrec_cloud.shm_group import BACKEND
+
+    pg = dmp._env.process_group
+    backend = dist.get_backend(pg) if pg is not None else "none"
+    return "shared memory + gloo" if backend == BACKEND else str(backend)
 
 
 # glibc's mallopt parameters (malloc.h).
@@ -162,7 +192,7 @@ def shard_model(
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
     dmp = DistributedModelParallel(
         module=model,
-        env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
+        env=ShardingEnv.from_process_group(step_process_group(env)),
         plan=plan,
         sharders=sharders,
         device=env.device,

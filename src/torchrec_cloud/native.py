@@ -7,8 +7,9 @@ a copy built on another machine is never loaded) into ``$TORCHREC_CLOUD_KERNEL_C
 (default ``~/.cache/torchrec-cloud/kernels``), written to a temporary name and renamed, so
 ranks that start together never load half a file. Without a C compiler, or with
 ``TORCHREC_CLOUD_NATIVE=0``, :func:`library` returns None after one warning and callers use
-their torch-op path: same results, slower. The kernels: the dot interaction (model.py) and the
-tables' row-wise Adagrad update (cpu_rowwise_adagrad.py).
+their torch-op path: same results, slower. The kernels: the dot interaction (model.py), the
+tables' row-wise Adagrad update (cpu_rowwise_adagrad.py), and the signals of the shared-memory
+collectives between ranks on one host (shm_group.py).
 """
 
 from __future__ import annotations
@@ -99,6 +100,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     f32 = ctypes.c_float
     lib.rowwise_adagrad_update.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, f32, f32]
     lib.rowwise_adagrad_update.restype = ctypes.c_int
+    i32 = ctypes.c_int32
+    lib.shm_publish.argtypes = [ptr, i32]
+    lib.shm_publish.restype = ctypes.c_int
+    lib.shm_wait.argtypes = [ptr, i32, i64]
+    lib.shm_wait.restype = ctypes.c_int
     return lib
 
 

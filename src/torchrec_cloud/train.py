@@ -36,6 +36,7 @@ from torchrec_cloud.distributed import (
     Env,
     WarmupPolyDecay,
     build_optimizer,
+    collectives,
     init_distributed,
     plan_summary,
     shard_model,
@@ -66,13 +67,15 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
 
     pipeline = TrainPipelineSparseDist(dmp, optimizer, env.device, execute_all_batches=True)
     if env.is_main:
-        print(f"sharding plan ({env.world_size} rank(s), {env.device.type}):\n{plan_summary(plan)}")
+        print(f"sharding plan ({env.world_size} rank(s), {env.device.type}, collectives: {collectives(dmp)}):\n"
+              f"{plan_summary(plan)}")  # fmt: skip
 
     start_record: dict[str, Any] = {
         "event": "start",
         "step": 0,
         "world_size": env.world_size,
         "backend": env.backend,
+        "collectives": collectives(dmp),
         "device": env.device.type,
         "threads_per_rank": torch.get_num_threads(),
         "config": cfg.to_dict(),

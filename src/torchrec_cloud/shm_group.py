@@ -1,0 +1,523 @@
+"""All-to-all and all-reduce through shared memory, for CPU ranks on one host.
+
+Gloo moves every collective through loopback TCP. On a 2-core machine, 2 ranks of the
+quickstart model send ~14 MB a step that way, and the kernel's copies and the waits run on the
+cores that train: measured, a 2-rank step took 150-156 ms against 131-136 ms with this group
+(the bench's ``ours_2rank_samples_per_s``).
+
+:func:`shared_memory_group` returns a process group over all ranks whose ``alltoall_base`` (the
+tables' input and pooled-embedding all-to-alls) and single-tensor ``allreduce`` (DDP's gradient
+buckets) go through ``/dev/shm``; every other collective goes to a gloo group underneath.
+``shard_model`` gives it to TorchRec's sharding and to DDP. It is used only where every rank
+can open the others' files (one host, one IPC namespace), the C kernels are built (they hold
+the futex signals) and ``TORCHREC_CLOUD_SHM`` is not ``0``; otherwise gloo as before.
+
+How a collective runs, numbered k = 1, 2, ... in the order the ranks issue them (the same on
+every rank, as for any process group):
+
+1. The rank writes what it sends into slot ``k % SLOTS`` of its own shared file, and where
+   each destination's bytes start and end into its control file, then publishes k
+   (``shm_publish`` in cpu_kernels.c: a memory fence, the counter, a futex wake). Its part
+   for itself goes straight to the output.
+2. ``wait()`` (for all-reduce: before it returns, as DDP waits on the future inside the
+   autograd engine) waits for every rank to publish k (``shm_wait``: a futex sleep with the
+   GIL released), copies what is addressed to it out of their slots (all-reduce: sums the
+   ranks' tensors in rank order, so every rank gets bitwise the same result), and publishes
+   "read k".
+3. Slot ``k % SLOTS`` is written again, by op k + SLOTS, only after every rank has read op k;
+   a rank first completes its own ops up to k, so two ranks never wait on each other.
+
+No thread of its own: everything runs on the thread that issues and waits, so the GIL never
+delays a rank that another rank is waiting for.
+
+The results are those of gloo: all-to-all copies bytes; all-reduce of two ranks is a + b on
+both; of more ranks, the sum in rank order (gloo's ring may round the last bit differently).
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import ctypes
+import os
+import secrets
+import weakref
+from datetime import timedelta
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+SHM_DIR = "/dev/shm"
+SLOTS = 4
+# Each rank holds SLOTS buffers as large as its largest collective: ~32 MiB for the quickstart
+# model at batch 2048. With less free than this per rank (Docker's default /dev/shm is 64 MiB),
+# the ranks stay on gloo.
+MIN_FREE_PER_RANK = 256 << 20
+BACKEND = "torchrec_cloud_shm"
+_PREFIX = "torchrec-cloud-shm"
+# Control file, int32 words: [0] last op published, [1] last op consumed, [2..3] the token that
+# proves peers opened this file; then per slot, int64: generation, capacity, and for each
+# destination rank the [start, end) of its bytes in the slot.
+_PUBLISHED, _CONSUMED = 0, 1
+_META_START = 16  # bytes
+_REDUCE = {
+    dist.ReduceOp.RedOpType.SUM: torch.add,
+    dist.ReduceOp.RedOpType.PRODUCT: torch.mul,
+    dist.ReduceOp.RedOpType.MIN: torch.minimum,
+    dist.ReduceOp.RedOpType.MAX: torch.maximum,
+}
+
+
+class SharedMemoryError(RuntimeError):
+    """A shared-memory collective failed (a rank stopped answering, /dev/shm is full)."""
+
+
+def _wrap32(k: int) -> int:
+    """Op number k as the signed 32-bit value the counters hold."""
+    k &= 0xFFFFFFFF
+    return k - (1 << 32) if k >= 1 << 31 else k
+
+
+def _create_file(path: str, nbytes: int) -> torch.Tensor:
+    """A shared uint8 tensor over a new file of nbytes, its space reserved now: a full /dev/shm
+    is an error here, not a SIGBUS on first write."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        os.close(fd)
+        os.unlink(path)
+        raise SharedMemoryError(
+            f"cannot reserve {nbytes / 2**20:.1f} MiB in {SHM_DIR} for {path}: {e}. "
+            f"Give the container a larger /dev/shm (docker --shm-size, or a memory emptyDir on "
+            f"Kubernetes), or set TORCHREC_CLOUD_SHM=0 to use gloo's TCP."
+        ) from e
+    os.close(fd)
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def _open_file(path: str, nbytes: int) -> torch.Tensor:  # another rank's file
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+class _Op:
+    """A collective issued by this rank: done once what the other ranks sent is in its outputs."""
+
+    __slots__ = ("k", "slot", "finish", "outputs", "done")
+
+    def __init__(self, k: int, slot: int, finish: Callable[[list[np.ndarray]], None], outputs: list[torch.Tensor]):
+        self.k, self.slot, self.finish, self.outputs, self.done = k, slot, finish, outputs, False
+
+
+class _Work(dist._Work):
+    """What ``async_op=True`` returns: ``wait()`` completes the op (and any issued before it)."""
+
+    def __init__(self, group: "SharedMemoryProcessGroup", op: _Op):
+        super().__init__()
+        self._group = group
+        self._op = op
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        self._group._complete_through(self._op.k)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._op.done
+
+    def is_success(self) -> bool:
+        return self._op.done
+
+    def get_future(self) -> Future:
+        self.wait()
+        future: Future = Future()
+        future.set_result(self._op.outputs)
+        return future
+
+    def result(self) -> list[torch.Tensor]:
+        return self._op.outputs
+
+
+class _Mapped:
+    """A shared file mapped here: the tensor keeps the mapping alive, the numpy view is cheap
+    to slice and copy (a few hundred ns, against microseconds for a torch op)."""
+
+    __slots__ = ("tensor", "bytes", "ptr")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.bytes = tensor.numpy()
+        self.ptr = tensor.data_ptr()
+
+
+def _as_bytes(t: torch.Tensor) -> np.ndarray:
+    return t.detach().view(-1).view(torch.uint8).numpy()
+
+
+class SharedMemoryProcessGroup(dist.ProcessGroup):
+    """See the module's docstring. Made by :func:`shared_memory_group`."""
+
+    def __init__(self, gloo: dist.ProcessGroup, run: str, timeout: timedelta, lib: ctypes.CDLL):
+        super().__init__(gloo.rank(), gloo.size())
+        self._gloo = gloo
+        self._me, self._n = gloo.rank(), gloo.size()
+        self._run = run
+        self._timeout_ms = int(timeout.total_seconds() * 1000)
+        self._lib = lib
+        self._k = 0  # last op issued
+        self._meta_words = 2 + 2 * self._n
+        self._ctrl_bytes = _META_START + SLOTS * self._meta_words * 8
+        self._files: list[str] = []
+        self._ctrl = self._create(self._path(self._me, "ctrl"), self._ctrl_bytes)
+        self._ctrl.bytes[:] = 0
+        self._token = secrets.randbits(62)
+        self._ctrl.bytes[8:16].view(np.int64)[0] = self._token
+        self._slots: list[Optional[_Mapped]] = [None] * SLOTS
+        self._gen = [0] * SLOTS
+        # A slot's file keeps its name until every rank has read one op from it (and so has
+        # it mapped); then only the mappings hold the memory, and a killed run leaves nothing.
+        self._named = [False] * SLOTS
+        self._peer_ctrl: dict[int, _Mapped] = {self._me: self._ctrl}
+        self._peer_slots: dict[tuple[int, int], tuple[int, _Mapped]] = {}
+        self._pending: collections.deque[_Op] = collections.deque()
+        self._failure: Optional[BaseException] = None
+        atexit.register(_close_ref, weakref.ref(self))
+
+    # -- files -------------------------------------------------------------------------
+
+    def _path(self, rank: int, what: str) -> str:
+        return f"{SHM_DIR}/{_PREFIX}-{self._run}-r{rank}-{what}"
+
+    def _create(self, path: str, nbytes: int) -> _Mapped:
+        mapped = _Mapped(_create_file(path, nbytes))
+        self._files.append(path)
+        return mapped
+
+    def _remove(self, path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        if path in self._files:
+            self._files.remove(path)
+
+    def _meta(self, ctrl: _Mapped) -> np.ndarray:
+        """[slot, word]: generation, capacity, then [start, end) per destination rank."""
+        return ctrl.bytes[_META_START:].view(np.int64).reshape(SLOTS, self._meta_words)
+
+    def _control_of(self, rank: int) -> _Mapped:
+        ctrl = self._peer_ctrl.get(rank)
+        if ctrl is None:
+            ctrl = _Mapped(_open_file(self._path(rank, "ctrl"), self._ctrl_bytes))
+            self._peer_ctrl[rank] = ctrl
+        return ctrl
+
+    def peer_tokens(self) -> list[int]:
+        """The token each rank wrote into its control file, as this rank reads it."""
+        return [int(self._control_of(r).bytes[8:16].view(np.int64)[0]) for r in range(self._n)]
+
+    def _slot_for_write(self, slot: int, nbytes: int) -> _Mapped:
+        buf = self._slots[slot]
+        if buf is None or buf.bytes.size < nbytes:
+            if buf is not None:  # every rank has read the op that used it (see _issue)
+                self._remove(self._path(self._me, f"s{slot}g{self._gen[slot]}"))
+            self._gen[slot] += 1
+            cap = max(1 << 16, 1 << max(nbytes - 1, 1).bit_length())
+            buf = self._create(self._path(self._me, f"s{slot}g{self._gen[slot]}"), cap)
+            self._slots[slot] = buf
+            self._named[slot] = True
+        return buf
+
+    def _slot_of(self, rank: int, slot: int, gen: int, cap: int) -> np.ndarray:
+        if rank == self._me:
+            return self._slots[slot].bytes
+        held = self._peer_slots.get((rank, slot))
+        if held is None or held[0] != gen:
+            held = (gen, _Mapped(_open_file(self._path(rank, f"s{slot}g{gen}"), cap)))
+            self._peer_slots[(rank, slot)] = held
+        return held[1].bytes
+
+    # -- signals -----------------------------------------------------------------------
+
+    def _wait_all(self, word: int, k: int, what: str) -> None:
+        for r in range(self._n):
+            rc = self._lib.shm_wait(self._control_of(r).ptr + 4 * word, _wrap32(k), self._timeout_ms)
+            if rc != 0:
+                raise SharedMemoryError(
+                    f"rank {self._me}: rank {r} did not {what} shared-memory collective {k} within "
+                    f"{self._timeout_ms / 1000:.0f} s (a rank stopped, or the ranks issued different collectives)"
+                )
+
+    def _publish(self, word: int, k: int) -> None:
+        self._lib.shm_publish(self._ctrl.ptr + 4 * word, _wrap32(k))
+
+    # -- issuing and completing ----------------------------------------------------------
+
+    def _issue(self, pieces: list[np.ndarray], finish: Callable[[list[np.ndarray]], None],
+               outputs: list[torch.Tensor], now: bool = False) -> _Work:  # fmt: skip
+        """Write pieces (bytes) to this op's slot and publish it: one piece per destination
+        rank, or a single piece that every rank reads. With now, complete it before returning."""
+        if self._failure is not None:
+            raise SharedMemoryError(f"an earlier shared-memory collective failed: {self._failure}")
+        self._k += 1
+        k, slot = self._k, self._k % SLOTS
+        if k > SLOTS:
+            # The slot's previous op (k - SLOTS) must have been read by every rank. Read ours
+            # first: a rank never waits on another while holding back what it owes.
+            self._complete_through(k - SLOTS)
+            self._wait_all(_CONSUMED, k - SLOTS, "read")
+            if self._named[slot]:
+                self._remove(self._path(self._me, f"s{slot}g{self._gen[slot]}"))
+                self._named[slot] = False
+        buf = self._slot_for_write(slot, sum(p.size for p in pieces)).bytes
+        meta = self._meta(self._ctrl)[slot]
+        o = 0
+        for i, p in enumerate(pieces):
+            if p.size:
+                buf[o:o + p.size] = p
+            meta[2 + 2 * i], meta[3 + 2 * i] = o, o + p.size
+            o += p.size
+        if len(pieces) == 1:
+            meta[4:] = np.tile(meta[2:4], self._n - 1)
+        meta[0], meta[1] = self._gen[slot], buf.size
+        self._publish(_PUBLISHED, k)
+        op = _Op(k, slot, finish, outputs)
+        self._pending.append(op)
+        if now:
+            self._complete_through(k)
+        return _Work(self, op)
+
+    def _complete_through(self, k: int) -> None:
+        """Complete every pending op up to k, in order: wait for the other ranks to publish it,
+        copy (or reduce) what they sent into its outputs, tell them it has been read."""
+        me = self._me
+        while self._pending and self._pending[0].k <= k:
+            op = self._pending[0]
+            try:
+                if self._failure is not None:
+                    raise SharedMemoryError(f"an earlier shared-memory collective failed: {self._failure}")
+                self._wait_all(_PUBLISHED, op.k, "issue")
+                chunks = []
+                for r in range(self._n):
+                    meta = self._meta(self._control_of(r))[op.slot]
+                    gen, cap, lo, hi = int(meta[0]), int(meta[1]), int(meta[2 + 2 * me]), int(meta[3 + 2 * me])
+                    chunks.append(self._slot_of(r, op.slot, gen, cap)[lo:hi])
+                op.finish(chunks)
+            except BaseException as e:
+                self._failure = self._failure or e
+                raise
+            op.done = True
+            self._pending.popleft()
+            self._publish(_CONSUMED, op.k)
+
+    def unlink_control(self) -> None:
+        self._remove(self._path(self._me, "ctrl"))
+
+    def close(self) -> None:
+        """Delete this rank's files that still have names (also at exit)."""
+        for path in list(self._files):
+            self._remove(path)
+
+    # -- the collectives moved to shared memory ----------------------------------------
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def _get_backend_name(self) -> str:
+        # What torch's Python code asks to choose a device where a rank holds no shard of a
+        # ShardedTensor (``== "gloo"``: the CPU; otherwise it asks CUDA). The tensors are on
+        # the CPU and gloo is underneath. C++ still sees BACKEND (getBackendName).
+        return "gloo"
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
+        n = self._n
+        if input.device.type != "cpu" or not input.is_contiguous() or not output.is_contiguous():
+            return self._gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+        in_rows, out_rows = (input.shape[0] if input.dim() else 1), (output.shape[0] if output.dim() else 1)
+        in_splits = list(input_split_sizes) or [in_rows // n] * n
+        out_splits = list(output_split_sizes) or [out_rows // n] * n
+        if sum(in_splits) != in_rows or sum(out_splits) != out_rows or len(in_splits) != n or len(out_splits) != n:
+            raise ValueError(
+                f"all-to-all splits {in_splits} -> {out_splits} do not match tensors of {in_rows} and {out_rows} rows"
+            )
+        in_bytes, out_bytes = _as_bytes(input), _as_bytes(output)
+        in_row = in_bytes.size // in_rows if in_rows else 0
+        out_row = out_bytes.size // out_rows if out_rows else 0
+        pieces, o = [], 0
+        for r, s in enumerate(in_splits):
+            pieces.append(in_bytes[o * in_row:(o + s) * in_row] if r != self._me else in_bytes[:0])
+            o += s
+        if in_splits[self._me] != out_splits[self._me]:
+            raise ValueError(f"all-to-all: rank {self._me} sends itself {in_splits[self._me]} rows but expects {out_splits[self._me]}")
+        start = sum(out_splits[:self._me]) * out_row
+        mine = sum(in_splits[:self._me]) * in_row
+        nbytes = in_splits[self._me] * in_row
+        out_bytes[start:start + nbytes] = in_bytes[mine:mine + nbytes]
+
+        def finish(chunks: list[np.ndarray]) -> list[torch.Tensor]:
+            o = 0
+            for r, chunk in enumerate(chunks):
+                nbytes = out_splits[r] * out_row
+                if r != self._me and chunk.size != nbytes:
+                    raise SharedMemoryError(
+                        f"rank {self._me}: all-to-all expected {nbytes} bytes from rank {r}, it sent {chunk.size}"
+                    )
+                if r != self._me:  # our own part was copied when the op was issued
+                    out_bytes[o:o + nbytes] = chunk
+                o += nbytes
+
+        return self._issue(pieces, finish, [output])
+
+    def allreduce(self, tensors, opts):
+        reduce = _REDUCE.get(getattr(opts.reduceOp, "op", None))
+        t = tensors[0] if len(tensors) == 1 else None
+        if (reduce is None or t is None or t.device.type != "cpu" or t.layout != torch.strided
+                or not t.is_contiguous() or t.is_complex() or t.dtype == torch.bool):  # fmt: skip
+            return self._gloo.allreduce(tensors, opts)
+
+        flat = t.detach().view(-1)
+
+        def finish(chunks: list[np.ndarray]) -> None:
+            # In rank order, so every rank gets bitwise the same result.
+            parts = [torch.from_numpy(c).view(t.dtype) for c in chunks]
+            reduce(parts[0], parts[1], out=flat)
+            for p in parts[2:]:
+                reduce(flat, p, out=flat)
+
+        # Completed before returning: DDP waits on the future inside the autograd engine, where
+        # nothing here would run to complete it.
+        return self._issue([_as_bytes(t)], finish, [t], now=True)
+
+    # -- everything else: gloo ---------------------------------------------------------
+
+    def broadcast(self, tensors, opts):
+        return self._gloo.broadcast(tensors, opts)
+
+    def allreduce_coalesced(self, tensors, opts):
+        return self._gloo.allreduce_coalesced(tensors, opts)
+
+    def reduce(self, tensors, opts):
+        return self._gloo.reduce(tensors, opts)
+
+    def allgather(self, output_tensors, input_tensors, opts):
+        return self._gloo.allgather(output_tensors, input_tensors, opts)
+
+    def _allgather_base(self, output, input, opts):
+        return self._gloo._allgather_base(output, input, opts)
+
+    def allgather_coalesced(self, output_lists, input_list, opts):
+        return self._gloo.allgather_coalesced(output_lists, input_list, opts)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts):
+        return self._gloo.allgather_into_tensor_coalesced(outputs, inputs, opts)
+
+    def gather(self, output_tensors, input_tensors, opts):
+        return self._gloo.gather(output_tensors, input_tensors, opts)
+
+    def scatter(self, output_tensors, input_tensors, opts):
+        return self._gloo.scatter(output_tensors, input_tensors, opts)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts):
+        return self._gloo.reduce_scatter(output_tensors, input_tensors, opts)
+
+    def _reduce_scatter_base(self, output, input, opts):
+        return self._gloo._reduce_scatter_base(output, input, opts)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts):
+        return self._gloo.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
+
+    def alltoall(self, output_tensors, input_tensors, opts):
+        return self._gloo.alltoall(output_tensors, input_tensors, opts)
+
+    def send(self, tensors, dst, tag):
+        return self._gloo.send(tensors, dst, tag)
+
+    def recv(self, tensors, src, tag):
+        return self._gloo.recv(tensors, src, tag)
+
+    def recv_anysource(self, tensors, tag):
+        return self._gloo.recv_anysource(tensors, tag)
+
+    def barrier(self, opts):
+        return self._gloo.barrier(opts)
+
+
+def _close_ref(ref: "weakref.ref[SharedMemoryProcessGroup]") -> None:
+    group = ref()
+    if group is not None:
+        group.close()
+
+
+_pending_backend: list[SharedMemoryProcessGroup] = []
+why_not: Optional[str] = None  # why the last shared_memory_group() returned None
+
+
+def _create_backend(store, rank, size, timeout):  # called by dist.new_group
+    return _pending_backend.pop()
+
+
+def unavailable_reason(world: dist.ProcessGroup) -> Optional[str]:
+    """Why this rank cannot use shared memory, or None. Local checks only."""
+    if os.environ.get("TORCHREC_CLOUD_SHM", "1") == "0":
+        return "TORCHREC_CLOUD_SHM=0"
+    if world.size() < 2:
+        return "one rank"
+    if dist.get_backend(world) != "gloo":
+        return f"backend {dist.get_backend(world)}"
+    if not os.path.isdir(SHM_DIR) or not os.access(SHM_DIR, os.W_OK):
+        return f"{SHM_DIR} is not a writable directory"
+    stat = os.statvfs(SHM_DIR)
+    free = stat.f_bavail * stat.f_frsize
+    if free < MIN_FREE_PER_RANK * world.size():
+        return (f"{SHM_DIR} has {free / 2**20:.0f} MiB free, less than {MIN_FREE_PER_RANK >> 20} MiB per rank "
+                "(docker run --shm-size, or a memory emptyDir on Kubernetes)")
+    from torchrec_cloud import native
+
+    if native.library() is None:
+        return "the C kernels are not built"
+    return None
+
+
+def shared_memory_group(timeout: timedelta = timedelta(minutes=30)) -> Optional[dist.ProcessGroup]:
+    """A process group over all ranks that uses shared memory, or None where it cannot
+    (ranks on several hosts or IPC namespaces, no /dev/shm, no C kernels, TORCHREC_CLOUD_SHM=0).
+
+    Collective: every rank calls it, and every rank gets a group or every rank gets None.
+    """
+    global why_not
+    world = dist.GroupMember.WORLD
+    if world is None or world.size() < 2:
+        why_not = "one rank"
+        return None
+    reason = unavailable_reason(world)
+    ok = torch.tensor([0 if reason else 1], dtype=torch.int64)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if not int(ok):
+        why_not = reason or "another rank cannot use it"
+        return None
+    from torchrec_cloud import native
+
+    gloo = dist.new_group(backend="gloo", timeout=timeout)
+    run = [f"p{os.getpid()}-{secrets.token_hex(6)}"] if dist.get_rank() == 0 else [None]
+    dist.broadcast_object_list(run, src=0, group=gloo)
+    group = SharedMemoryProcessGroup(gloo, run[0], timeout, native.library())
+    tokens = [None] * world.size()
+    dist.all_gather_object(tokens, group._token, group=gloo)
+    try:
+        same_files = group.peer_tokens() == tokens
+    except (OSError, RuntimeError):  # a peer's file is not visible here: another host or namespace
+        same_files = False
+    ok = torch.tensor([1 if same_files else 0], dtype=torch.int64)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=gloo)
+    if not int(ok):
+        group.close()
+        why_not = "the ranks cannot open each other's files (several hosts, or containers with their own /dev/shm)"
+        return None
+    group.unlink_control()  # every rank has it open now
+    why_not = None
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create_backend, devices=["cpu"])
+    _pending_backend.append(group)
+    return dist.new_group(backend=BACKEND, timeout=timeout)
