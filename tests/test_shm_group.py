@@ -108,6 +108,20 @@ def step(group):
     return [p.detach().clone() for p in model.parameters()]
 for a, b in zip(step(g), step(None)):
     same(a, b, "DDP step")
+
+# A group whose collectives a thread completes (the trainer's DDP group): DDP again, and
+# all-reduces in flight, more than the slots, waited for last-first.
+bg = shm_group.shared_memory_group(background=True)
+for a, b in zip(step(bg), step(None)):
+    same(a, b, "DDP step, background group")
+xs = [data(1000 * (i + 1), 1, torch.float32).view(-1) for i in range(9)]
+refs = [x.clone() for x in xs]
+works = [dist.all_reduce(x, group=bg, async_op=True) for x in xs]
+for w in reversed(works):
+    w.wait()
+for i, (x, ref) in enumerate(zip(xs, refs)):
+    dist.all_reduce(ref)
+    same(x, ref, f"all_reduce in flight #{i}, background group")
 sys.stdout.write(f"OK rank {rank}: {count}\n")  # one write: the ranks share stdout
 dist.destroy_process_group()
 """

@@ -19,16 +19,19 @@ every rank, as for any process group):
    each destination's bytes start and end into its control file, then publishes k
    (``shm_publish`` in cpu_kernels.c: a memory fence, the counter, a futex wake). Its part
    for itself goes straight to the output.
-2. ``wait()`` (for all-reduce: before it returns, as DDP waits on the future inside the
-   autograd engine) waits for every rank to publish k (``shm_wait``: a futex sleep with the
+2. ``wait()`` (for all-reduce: before it returns, unless a thread completes the ops; see
+   below) waits for every rank to publish k (``shm_wait``: a futex sleep with the
    GIL released), copies what is addressed to it out of their slots (all-reduce: sums the
    ranks' tensors in rank order, so every rank gets bitwise the same result), and publishes
    "read k".
 3. Slot ``k % SLOTS`` is written again, by op k + SLOTS, only after every rank has read op k;
    a rank first completes its own ops up to k, so two ranks never wait on each other.
 
-No thread of its own: everything runs on the thread that issues and waits, so the GIL never
-delays a rank that another rank is waiting for.
+By default no thread of its own: everything runs on the thread that issues and waits, so the
+GIL never delays a rank that another rank is waiting for. With ``background=True`` (the
+trainer's group for DDP) a thread completes each op as soon as every rank has published it:
+an all-reduce then returns at once, and DDP waits for it only at the end of the backward
+(inside the autograd engine, which lets the thread run).
 
 The results are those of gloo: all-to-all copies bytes; all-reduce of two ranks is a + b on
 both; of more ranks, the sum in rank order (gloo's ring may round the last bit differently).
@@ -40,7 +43,9 @@ import atexit
 import collections
 import ctypes
 import os
+import queue
 import secrets
+import threading
 import weakref
 from datetime import timedelta
 from typing import Callable, Optional
@@ -106,10 +111,11 @@ def _open_file(path: str, nbytes: int) -> torch.Tensor:  # another rank's file
 class _Op:
     """A collective issued by this rank: done once what the other ranks sent is in its outputs."""
 
-    __slots__ = ("k", "slot", "finish", "outputs", "done")
+    __slots__ = ("k", "slot", "finish", "outputs", "done", "future")
 
     def __init__(self, k: int, slot: int, finish: Callable[[list[np.ndarray]], None], outputs: list[torch.Tensor]):
         self.k, self.slot, self.finish, self.outputs, self.done = k, slot, finish, outputs, False
+        self.future: Optional[Future] = None  # with a completer thread
 
 
 class _Work(dist._Work):
@@ -121,7 +127,10 @@ class _Work(dist._Work):
         self._op = op
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        self._group._complete_through(self._op.k)
+        if self._op.future is not None:
+            self._op.future.wait()  # raises what the completer thread set
+        else:
+            self._group._complete_through(self._op.k)
         return True
 
     def is_completed(self) -> bool:
@@ -131,6 +140,8 @@ class _Work(dist._Work):
         return self._op.done
 
     def get_future(self) -> Future:
+        if self._op.future is not None:
+            return self._op.future
         self.wait()
         future: Future = Future()
         future.set_result(self._op.outputs)
@@ -159,7 +170,8 @@ def _as_bytes(t: torch.Tensor) -> np.ndarray:
 class SharedMemoryProcessGroup(dist.ProcessGroup):
     """See the module's docstring. Made by :func:`shared_memory_group`."""
 
-    def __init__(self, gloo: dist.ProcessGroup, run: str, timeout: timedelta, lib: ctypes.CDLL):
+    def __init__(self, gloo: dist.ProcessGroup, run: str, timeout: timedelta, lib: ctypes.CDLL,
+                 background: bool = False):  # fmt: skip
         super().__init__(gloo.rank(), gloo.size())
         self._gloo = gloo
         self._me, self._n = gloo.rank(), gloo.size()
@@ -183,6 +195,10 @@ class SharedMemoryProcessGroup(dist.ProcessGroup):
         self._peer_slots: dict[tuple[int, int], tuple[int, _Mapped]] = {}
         self._pending: collections.deque[_Op] = collections.deque()
         self._failure: Optional[BaseException] = None
+        self._completer: Optional[queue.SimpleQueue] = None
+        if background:
+            self._completer = queue.SimpleQueue()
+            threading.Thread(target=self._complete_in_background, name="torchrec-cloud-shm", daemon=True).start()
         atexit.register(_close_ref, weakref.ref(self))
 
     # -- files -------------------------------------------------------------------------
@@ -266,7 +282,8 @@ class SharedMemoryProcessGroup(dist.ProcessGroup):
         if k > SLOTS:
             # The slot's previous op (k - SLOTS) must have been read by every rank. Read ours
             # first: a rank never waits on another while holding back what it owes.
-            self._complete_through(k - SLOTS)
+            if self._completer is None:
+                self._complete_through(k - SLOTS)
             self._wait_all(_CONSUMED, k - SLOTS, "read")
             if self._named[slot]:
                 self._remove(self._path(self._me, f"s{slot}g{self._gen[slot]}"))
@@ -284,10 +301,27 @@ class SharedMemoryProcessGroup(dist.ProcessGroup):
         meta[0], meta[1] = self._gen[slot], buf.size
         self._publish(_PUBLISHED, k)
         op = _Op(k, slot, finish, outputs)
-        self._pending.append(op)
-        if now:
-            self._complete_through(k)
+        if self._completer is not None:
+            op.future = Future()
+            self._completer.put(op)
+        else:
+            self._pending.append(op)
+            if now:
+                self._complete_through(k)
         return _Work(self, op)
+
+    def _complete_in_background(self) -> None:
+        while True:
+            op = self._completer.get()
+            if op is None:
+                return
+            self._pending.append(op)
+            try:
+                self._complete_through(op.k)
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+                op.future.set_exception(e)
+            else:
+                op.future.set_result(op.outputs)
 
     def _complete_through(self, k: int) -> None:
         """Complete every pending op up to k, in order: wait for the other ranks to publish it,
@@ -388,7 +422,7 @@ class SharedMemoryProcessGroup(dist.ProcessGroup):
 
         # Completed before returning: DDP waits on the future inside the autograd engine, where
         # nothing here would run to complete it.
-        return self._issue([_as_bytes(t)], finish, [t], now=True)
+        return self._issue([_as_bytes(t)], finish, [t], now=self._completer is None)
 
     # -- everything else: gloo ---------------------------------------------------------
 
@@ -480,7 +514,7 @@ def unavailable_reason(world: dist.ProcessGroup) -> Optional[str]:
     return None
 
 
-def shared_memory_group(timeout: timedelta = timedelta(minutes=30)) -> Optional[dist.ProcessGroup]:
+def shared_memory_group(timeout: timedelta = timedelta(minutes=30), background: bool = False) -> Optional[dist.ProcessGroup]:
     """A process group over all ranks that uses shared memory, or None where it cannot
     (ranks on several hosts or IPC namespaces, no /dev/shm, no C kernels, TORCHREC_CLOUD_SHM=0).
 
@@ -502,7 +536,7 @@ def shared_memory_group(timeout: timedelta = timedelta(minutes=30)) -> Optional[
     gloo = dist.new_group(backend="gloo", timeout=timeout)
     run = [f"p{os.getpid()}-{secrets.token_hex(6)}"] if dist.get_rank() == 0 else [None]
     dist.broadcast_object_list(run, src=0, group=gloo)
-    group = SharedMemoryProcessGroup(gloo, run[0], timeout, native.library())
+    group = SharedMemoryProcessGroup(gloo, run[0], timeout, native.library(), background)
     tokens = [None] * world.size()
     dist.all_gather_object(tokens, group._token, group=gloo)
     try:
