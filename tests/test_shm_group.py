@@ -127,11 +127,17 @@ dist.destroy_process_group()
 """
 
 
-def test_collectives_match_gloo_and_leave_no_files(tmp_path):
-    script = tmp_path / "collectives.py"
-    script.write_text(COLLECTIVES)
-    proc = torchrun(2, [str(script)], timeout=300)
+def _two_ranks(tmp_path, source: str, timeout: float = 120):
+    """Run source as a script on 2 torchrun ranks; it must exit 0."""
+    script = tmp_path / "ranks.py"
+    script.write_text(source)
+    proc = torchrun(2, [str(script)], timeout=timeout)
     assert proc.returncode == 0, explain(proc)
+    return proc
+
+
+def test_collectives_match_gloo_and_leave_no_files(tmp_path):
+    proc = _two_ranks(tmp_path, COLLECTIVES, timeout=300)
     assert "OK rank 0: 20" in proc.stdout and "OK rank 1: 20" in proc.stdout, explain(proc)
     runs = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("RUN ")}
     assert len(runs) == 1, proc.stdout
@@ -161,17 +167,14 @@ dist.destroy_process_group()
 
 
 def test_a_rank_that_never_joins_is_named_after_the_timeout(tmp_path):
-    script = tmp_path / "stalled.py"
-    script.write_text(STALLED)
-    proc = torchrun(2, [str(script)], timeout=120)
-    assert proc.returncode == 0, explain(proc)
+    proc = _two_ranks(tmp_path, STALLED)
     line = next((x for x in proc.stdout.splitlines() if x.startswith(("ERROR", "no error"))), "")
     assert line.startswith("ERROR SharedMemoryError"), explain(proc)
     assert "rank 1 did not issue" in line and "within 2 s" in line, line
 
 
 SEPARATE = r"""
-import os, sys, tempfile
+import os, sys
 import torch.distributed as dist
 from torchrec_cloud import shm_group
 from torchrec_cloud.distributed import Env, step_process_group
@@ -179,7 +182,8 @@ import torch
 
 dist.init_process_group("gloo")
 if os.environ.get("SEPARATE_DIRS"):  # as two containers with their own /dev/shm
-    shm_group.SHM_DIR = tempfile.mkdtemp(prefix=f"shm-rank{dist.get_rank()}-")
+    shm_group.SHM_DIR = os.path.join(os.environ["SEPARATE_DIRS"], f"rank{dist.get_rank()}")
+    os.makedirs(shm_group.SHM_DIR)
 if os.environ.get("SMALL_SHM") == str(dist.get_rank()):  # as Docker's default 64 MiB, on one rank
     shm_group.MIN_FREE_PER_RANK = 1 << 60
 env = Env(dist.get_rank(), 2, dist.get_rank(), 2, torch.device("cpu"), "gloo")
@@ -197,11 +201,8 @@ dist.destroy_process_group()
 ])  # fmt: skip
 def test_every_rank_uses_gloo_where_files_cannot_be_shared(tmp_path, monkeypatch, env, expected, why):
     for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    script = tmp_path / "separate.py"
-    script.write_text(SEPARATE)
-    proc = torchrun(2, [str(script)], timeout=120)
-    assert proc.returncode == 0, explain(proc)
+        monkeypatch.setenv(k, str(tmp_path) if k == "SEPARATE_DIRS" else v)
+    proc = _two_ranks(tmp_path, SEPARATE)
     lines = [line.split(" ", 2)[1:] for line in proc.stdout.splitlines() if line.startswith("GROUP ")]
     assert [group for group, _ in lines] == [expected, expected], explain(proc)
     reasons = sorted(reason for _, reason in lines)
