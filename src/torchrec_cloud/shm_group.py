@@ -102,10 +102,10 @@ def _create_file(path: str, nbytes: int) -> torch.Tensor:
             f"Kubernetes), or set TORCHREC_CLOUD_SHM=0 to use gloo's TCP."
         ) from e
     os.close(fd)
-    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    return _open_file(path, nbytes)
 
 
-def _open_file(path: str, nbytes: int) -> torch.Tensor:  # another rank's file
+def _open_file(path: str, nbytes: int) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
@@ -183,8 +183,7 @@ class SharedMemoryProcessGroup(dist.ProcessGroup):
         self._meta_words = 2 + 2 * self._n
         self._ctrl_bytes = _META_START + SLOTS * self._meta_words * 8
         self._files: list[str] = []
-        self._ctrl = self._create(self._path(self._me, "ctrl"), self._ctrl_bytes)
-        self._ctrl.bytes[:] = 0
+        self._ctrl = self._create(self._path(self._me, "ctrl"), self._ctrl_bytes)  # zeroed: a new file
         self._token = secrets.randbits(62)
         self._ctrl.bytes[8:16].view(np.int64)[0] = self._token
         self._slots: list[Optional[_Mapped]] = [None] * SLOTS
@@ -391,15 +390,15 @@ class SharedMemoryProcessGroup(dist.ProcessGroup):
         nbytes = in_splits[self._me] * in_row
         out_bytes[start:start + nbytes] = in_bytes[mine:mine + nbytes]
 
-        def finish(chunks: list[np.ndarray]) -> list[torch.Tensor]:
+        def finish(chunks: list[np.ndarray]) -> None:
             o = 0
             for r, chunk in enumerate(chunks):
                 nbytes = out_splits[r] * out_row
-                if r != self._me and chunk.size != nbytes:
-                    raise SharedMemoryError(
-                        f"rank {self._me}: all-to-all expected {nbytes} bytes from rank {r}, it sent {chunk.size}"
-                    )
                 if r != self._me:  # our own part was copied when the op was issued
+                    if chunk.size != nbytes:
+                        raise SharedMemoryError(
+                            f"rank {self._me}: all-to-all expected {nbytes} bytes from rank {r}, it sent {chunk.size}"
+                        )
                     out_bytes[o:o + nbytes] = chunk
                 o += nbytes
 
@@ -497,8 +496,6 @@ def unavailable_reason(world: dist.ProcessGroup) -> Optional[str]:
     """Why this rank cannot use shared memory, or None. Local checks only."""
     if os.environ.get("TORCHREC_CLOUD_SHM", "1") == "0":
         return "TORCHREC_CLOUD_SHM=0"
-    if world.size() < 2:
-        return "one rank"
     if dist.get_backend(world) != "gloo":
         return f"backend {dist.get_backend(world)}"
     if not os.path.isdir(SHM_DIR) or not os.access(SHM_DIR, os.W_OK):
@@ -515,6 +512,12 @@ def unavailable_reason(world: dist.ProcessGroup) -> Optional[str]:
     return None
 
 
+def _on_every_rank(flag: bool, group: dist.ProcessGroup) -> bool:
+    ok = torch.tensor([int(flag)], dtype=torch.int64)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    return bool(ok)
+
+
 def shared_memory_group(timeout: timedelta = timedelta(minutes=30), background: bool = False) -> Optional[dist.ProcessGroup]:
     """A process group over all ranks that uses shared memory, or None where it cannot
     (ranks on several hosts or IPC namespaces, no /dev/shm, no C kernels, TORCHREC_CLOUD_SHM=0).
@@ -527,9 +530,7 @@ def shared_memory_group(timeout: timedelta = timedelta(minutes=30), background: 
         why_not = "one rank"
         return None
     reason = unavailable_reason(world)
-    ok = torch.tensor([0 if reason else 1], dtype=torch.int64)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    if not int(ok):
+    if not _on_every_rank(reason is None, world):
         why_not = reason or "another rank cannot use it"
         return None
     from torchrec_cloud import native
@@ -544,9 +545,7 @@ def shared_memory_group(timeout: timedelta = timedelta(minutes=30), background: 
         same_files = group.peer_tokens() == tokens
     except (OSError, RuntimeError):  # a peer's file is not visible here: another host or namespace
         same_files = False
-    ok = torch.tensor([1 if same_files else 0], dtype=torch.int64)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=gloo)
-    if not int(ok):
+    if not _on_every_rank(same_files, gloo):
         group.close()
         why_not = "the ranks cannot open each other's files (several hosts, or containers with their own /dev/shm)"
         return None
