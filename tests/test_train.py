@@ -128,7 +128,7 @@ def test_ranks_with_unequal_batch_counts_stop_together(tmp_path):
         "cfg = parse_job_config(sys.argv[1:])\n"
         "rank, world = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])\n"
         "result = run(cfg, source=Uneven(cfg, rank, world))\n"
-        "print('steps', rank, result['step'])\n"
+        "sys.stdout.write(f'steps {rank} {result[\"step\"]}\\n')  # one write: the ranks share stdout\n"
         "dist.barrier(); dist.destroy_process_group()\n"
     )
     proc = torchrun(2, [str(script), *TINY, "--output_dir", str(tmp_path / "out")], timeout=300)
