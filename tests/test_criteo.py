@@ -487,14 +487,19 @@ def test_killed_run_resumes_to_the_same_output(tmp_path, capsys):
     env = {**os.environ, "PYTHONPATH": str(P(__file__).resolve().parents[1] / "src")}
     proc = subprocess.Popen([sys.executable, "-m", "torchrec_cloud", "data", "preprocess", "--no_progress",
                              *args, "--output", str(out)], env=env)
+    def committed() -> int:
+        # A marker being written is a hidden '.tmp-...-<name>.done' until it is renamed;
+        # the resumed run deletes those, so they must not count.
+        return sum(1 for p in (out / "shards").glob("*.done") if not p.name.startswith("."))
+
     deadline = time.monotonic() + 300
-    while len(list((out / "shards").glob("*.done"))) < 3 and time.monotonic() < deadline:
+    while committed() < 3 and time.monotonic() < deadline:
         assert proc.poll() is None, "preprocessing ended before it could be interrupted"
         time.sleep(0.002)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (out / "manifest.json").exists()
-    done = len(list((out / "shards").glob("*.done")))
+    done = committed()
     rc, stdout, err = preprocess(capsys, *args, "--output", str(out))
     assert rc == 0, err
     assert f"resumed: {done} shard(s)" in stdout
