@@ -208,6 +208,10 @@ def shard_model(
         sharders=sharders,
         device=env.device,
     )
+    if collectives(dmp) == "shared memory + gloo":
+        from torchrec_cloud import shm_pooled
+
+        shm_pooled.install(dmp)
     return dmp, plan
 
 

@@ -9,7 +9,8 @@ all-to-all takes ~2.5 ms against ~5.5 and an 8-byte one ~80 us against ~400.
 :func:`shared_memory_group` returns a process group over all ranks whose ``alltoall_base`` (the
 tables' input and pooled-embedding all-to-alls) and single-tensor ``allreduce`` (DDP's gradient
 buckets) go through ``/dev/shm``; every other collective goes to a gloo group underneath.
-``shard_model`` gives it to TorchRec's sharding and to DDP. It is used only where every rank
+``shard_model`` gives it to TorchRec's sharding and to DDP, and :meth:`SharedMemoryProcessGroup.exchange`
+moves the pooled embeddings in their own layout (shm_pooled.py). It is used only where every rank
 can open the others' files (one host, one IPC namespace), the C kernels are built (they hold
 the futex signals) and ``TORCHREC_CLOUD_SHM`` is not ``0``; otherwise gloo as before.
 
@@ -49,7 +50,7 @@ import secrets
 import threading
 import weakref
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -168,6 +169,29 @@ def _as_bytes(t: torch.Tensor) -> np.ndarray:
     return t.detach().view(-1).view(torch.uint8).numpy()
 
 
+def _nbytes(piece) -> int:
+    return piece.size if isinstance(piece, np.ndarray) else piece.numel() * piece.element_size()
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + 63) & ~63
+
+
+def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src) for CPU tensors of the same shape and dtype, through numpy where it can:
+    numpy copies a block of rows or columns row by row with memcpy, ~4x faster than torch's
+    strided copy from a block of columns (1.2 against 4.9 ms for 6.8 MB, from DRAM)."""
+    try:
+        np.copyto(dst.detach().numpy(), src.detach().numpy())
+    except TypeError:  # a dtype numpy lacks (bfloat16)
+        dst.copy_(src)
+
+
+def as_tensor(chunk: np.ndarray, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """What a rank sent in :meth:`SharedMemoryProcessGroup.exchange`, as a tensor (no copy)."""
+    return torch.from_numpy(chunk).view(dtype).view(shape)
+
+
 class SharedMemoryProcessGroup(dist.ProcessGroup):
     """See the module's docstring. Made by :func:`shared_memory_group`."""
 
@@ -271,10 +295,20 @@ class SharedMemoryProcessGroup(dist.ProcessGroup):
 
     # -- issuing and completing ----------------------------------------------------------
 
-    def _issue(self, pieces: list[np.ndarray], finish: Callable[[list[np.ndarray]], None],
+    def exchange(self, pieces: list[Optional[torch.Tensor]], finish: Callable[[list[np.ndarray]], None]) -> _Work:
+        """An all-to-all of the caller's own layout: ``pieces[r]`` (a tensor of any strides; None
+        for this rank's own entry) goes to rank r, and ``finish`` gets what each rank sent here,
+        as bytes that ``as_tensor`` views, when the returned work is waited on (this rank's own
+        entry empty). Used by shm_pooled.py to move pooled embeddings with fewer copies."""
+        empty = np.empty(0, np.uint8)
+        return self._issue([empty if p is None else p for p in pieces], finish, [])
+
+    def _issue(self, pieces: list, finish: Callable[[list[np.ndarray]], None],
                outputs: list[torch.Tensor], now: bool = False) -> _Work:  # fmt: skip
-        """Write pieces (bytes) to this op's slot and publish it: one piece per destination
-        rank, or a single piece that every rank reads. With now, complete it before returning."""
+        """Write pieces (bytes, or tensors) to this op's slot and publish it: one piece per
+        destination rank, or a single piece that every rank reads. Each piece starts on a
+        64-byte boundary, so a receiver can view it as a tensor of its dtype. With now,
+        complete it before returning."""
         if self._failure is not None:
             raise SharedMemoryError(f"an earlier shared-memory collective failed: {self._failure}")
         self._k += 1
@@ -288,14 +322,18 @@ class SharedMemoryProcessGroup(dist.ProcessGroup):
             if self._named[slot]:
                 self._remove(self._path(self._me, f"s{slot}g{self._gen[slot]}"))
                 self._named[slot] = False
-        buf = self._slot_for_write(slot, sum(p.size for p in pieces)).bytes
+        sizes = [_nbytes(p) for p in pieces]
+        buf = self._slot_for_write(slot, sum(_aligned(n) for n in sizes)).bytes
         meta = self._meta(self._ctrl)[slot]
         o = 0
-        for i, p in enumerate(pieces):
-            if p.size:
-                buf[o:o + p.size] = p
-            meta[2 + 2 * i], meta[3 + 2 * i] = o, o + p.size
-            o += p.size
+        for i, (p, n) in enumerate(zip(pieces, sizes)):
+            if n:
+                if isinstance(p, np.ndarray):
+                    buf[o:o + n] = p
+                else:  # a tensor of any strides, written in place in the slot's layout
+                    copy(as_tensor(buf[o:o + n], p.dtype, p.shape), p)
+            meta[2 + 2 * i], meta[3 + 2 * i] = o, o + n
+            o += _aligned(n)
         if len(pieces) == 1:
             meta[4:] = np.tile(meta[2:4], self._n - 1)
         meta[0], meta[1] = self._gen[slot], buf.size
@@ -486,6 +524,7 @@ def _close_ref(ref: "weakref.ref[SharedMemoryProcessGroup]") -> None:
 
 _pending_backend: list[SharedMemoryProcessGroup] = []
 why_not: Optional[str] = None  # why the last shared_memory_group() returned None
+_made: list[tuple[weakref.ref, weakref.ref]] = []  # (group, its backend)
 
 
 def _create_backend(store, rank, size, timeout):  # called by dist.new_group
@@ -554,4 +593,14 @@ def shared_memory_group(timeout: timedelta = timedelta(minutes=30), background: 
     if BACKEND.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND, _create_backend, devices=["cpu"])
     _pending_backend.append(group)
-    return dist.new_group(backend=BACKEND, timeout=timeout)
+    pg = dist.new_group(backend=BACKEND, timeout=timeout)
+    _made.append((weakref.ref(pg), weakref.ref(group)))
+    return pg
+
+
+def backend_of(pg: Optional[dist.ProcessGroup]) -> Optional[SharedMemoryProcessGroup]:
+    """The shared-memory backend behind a group made by :func:`shared_memory_group`, or None."""
+    for p, g in _made:
+        if pg is not None and p() is pg:
+            return g()
+    return None
