@@ -28,14 +28,9 @@ TINY = [
 
 def shm_usable(ranks: int = 2) -> bool:
     """Whether ranks on this machine move their collectives through /dev/shm (shm_group.py)."""
-    from torchrec_cloud import native, shm_group
+    from torchrec_cloud import shm_group
 
-    try:
-        stat = os.statvfs(shm_group.SHM_DIR)
-    except OSError:
-        return False
-    free = stat.f_bavail * stat.f_frsize
-    return free >= ranks * shm_group.MIN_FREE_PER_RANK and native.library() is not None
+    return shm_group.host_reason(ranks) is None
 
 
 def free_port() -> int:

@@ -208,10 +208,9 @@ def shard_model(
         sharders=sharders,
         device=env.device,
     )
-    if collectives(dmp) == "shared memory + gloo":
-        from torchrec_cloud import shm_pooled
+    from torchrec_cloud import shm_pooled
 
-        shm_pooled.install(dmp)
+    shm_pooled.install(dmp)  # only where an output dist's group is a shared-memory one
     return dmp, plan
 
 

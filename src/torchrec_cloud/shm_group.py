@@ -453,7 +453,7 @@ class SharedMemoryProcessGroup(dist.ProcessGroup):
 
         def finish(chunks: list[np.ndarray]) -> None:
             # In rank order, so every rank gets bitwise the same result.
-            parts = [torch.from_numpy(c).view(t.dtype) for c in chunks]
+            parts = [as_tensor(c, t.dtype, flat.shape) for c in chunks]
             reduce(parts[0], parts[1], out=flat)
             for p in parts[2:]:
                 reduce(flat, p, out=flat)
@@ -537,11 +537,17 @@ def unavailable_reason(world: dist.ProcessGroup) -> Optional[str]:
         return "TORCHREC_CLOUD_SHM=0"
     if dist.get_backend(world) != "gloo":
         return f"backend {dist.get_backend(world)}"
+    return host_reason(world.size())
+
+
+def host_reason(ranks: int) -> Optional[str]:
+    """Why ranks on this host cannot use shared memory, or None: /dev/shm's room for that many
+    ranks, and the C kernels (they hold the futex signals)."""
     if not os.path.isdir(SHM_DIR) or not os.access(SHM_DIR, os.W_OK):
         return f"{SHM_DIR} is not a writable directory"
     stat = os.statvfs(SHM_DIR)
     free = stat.f_bavail * stat.f_frsize
-    if free < MIN_FREE_PER_RANK * world.size():
+    if free < MIN_FREE_PER_RANK * ranks:
         return (f"{SHM_DIR} has {free / 2**20:.0f} MiB free, less than {MIN_FREE_PER_RANK >> 20} MiB per rank "
                 "(docker run --shm-size, or a memory emptyDir on Kubernetes)")
     from torchrec_cloud import native
