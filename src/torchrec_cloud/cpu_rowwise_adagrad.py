@@ -18,12 +18,17 @@ library cannot be built, whole-batch torch ops do the same (one sort groups the 
 
 It writes into the same ``weights_host`` / ``momentum1_host`` tensors that TorchRec's
 sharded modules, optimizer state and checkpoints expose, so nothing outside the update
-changes. The forward pass stays fbgemm's own lookup.
+changes.
 
 It is installed by :func:`install` as the CPU branch of fbgemm's row-wise Adagrad lookup
 and handles the common case (float32 weights, sum or mean pooling, optional per-sample
 weights, one embedding dim per TBE, no gradient clipping, max-norm or weight decay);
 anything else goes to fbgemm unchanged. ``--cpu_embedding_update fbgemm`` switches it off.
+
+On the same path the forward lookup runs in ``cpu_kernels.c`` too (:func:`pooled_lookup`):
+fbgemm's CPU forward works one table at a time; the kernel goes sample by sample over all
+the tables with the rows ahead prefetched, ~3x faster at 26 tables x 2048 samples. It sums
+each bag's ids in order, as fbgemm does.
 """
 
 from __future__ import annotations
@@ -55,9 +60,13 @@ class _RowwiseAdagradLookup(torch.autograd.Function):
         kwargs: dict,
         lr: float,
     ) -> torch.Tensor:
-        # fbgemm's own lookup; autograd is off inside Function.forward, so it only looks up
-        assert _ORIGINAL is not None
-        out = _ORIGINAL(common, optimizer_args, momentum1, **kwargs)
+        out = pooled_lookup(
+            weights, row_base, common.indices, common.offsets, common.indice_weights,
+            mean_pooling=common.pooling_mode == _POOLING_MEAN,
+        )  # fmt: skip
+        if out is None:  # fbgemm's own lookup; autograd is off inside Function.forward, so it only looks up
+            assert _ORIGINAL is not None
+            out = _ORIGINAL(common, optimizer_args, momentum1, **kwargs)
         ctx.save_for_backward(common.indices, common.offsets)
         ctx.indice_weights = common.indice_weights
         ctx.weights, ctx.momentum, ctx.row_base = weights, momentum, row_base
@@ -81,6 +90,44 @@ class _RowwiseAdagradLookup(torch.autograd.Function):
                 mean_pooling=ctx.pooling_mode == _POOLING_MEAN,
             )
         return (None,) * 9
+
+
+def pooled_lookup(
+    weights: torch.Tensor,
+    row_base: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    indice_weights: Optional[torch.Tensor] = None,
+    *,
+    mean_pooling: bool = False,
+) -> Optional[torch.Tensor]:
+    """The pooled embeddings ``(B, T*D)`` of T features' bags, as fbgemm's CPU forward computes
+    them, from ``cpu_kernels.c``; None where that library is not available.
+
+    Same layout as :func:`rowwise_adagrad_update`: ``weights`` is ``(rows, D)``, feature t's
+    table starts at row ``row_base[t]``, bags are feature-major.
+    """
+    lib = native.library()
+    if lib is None or weights.dtype != torch.float32 or not weights.is_contiguous():
+        return None
+    if indice_weights is not None and indice_weights.dtype != torch.float32:
+        return None
+    num_features, dim = row_base.numel(), weights.shape[1]
+    batch = (offsets.numel() - 1) // max(num_features, 1)
+    out = weights.new_empty(batch, num_features * dim)
+    if out.numel() == 0:
+        return out.zero_()
+    indices, offsets, row_base = indices.long().contiguous(), offsets.long().contiguous(), row_base.long().contiguous()
+    if indice_weights is not None:
+        indice_weights = indice_weights.contiguous()
+    status = lib.pooled_lookup(
+        weights.data_ptr(), weights.shape[0], dim, row_base.data_ptr(), num_features, batch, indices.data_ptr(),
+        offsets.data_ptr(), indice_weights.data_ptr() if indice_weights is not None else None, int(mean_pooling),
+        out.data_ptr(),
+    )  # fmt: skip
+    if status != 0:
+        raise IndexError(f"pooled lookup: an embedding row is outside the {weights.shape[0]} rows of its tables")
+    return out
 
 
 def rowwise_adagrad_update(
