@@ -13,9 +13,13 @@ batches (so data generation is not measured):
 - ``bound``: FLOPs per training sample (forward + backward, counted by torch's
   FlopCounterMode) divided by the float32 matmul rate measured here.
 
-A shared cloud machine's speed drifts by tens of percent within a minute, so the bound
-and ``ours`` are each measured twice, bracketing each other (bound, ours, ours on 2 ranks,
-ours, bound), and the ratios use the means; the single measurements are in the JSON too.
+A shared cloud machine's speed drifts by tens of percent within a minute, so ``ours`` on
+1 rank is measured twice (bound, ours, ours on 2 ranks, ours, bound) and the ratios use the
+means; the single measurements are in the JSON too. The bound's matmul rate is measured just
+before each 1-rank run's warm-up and just after its timed steps (1.5 s each, in a child
+process on as many threads), so ours and the bound are compared at the same moment; the
+bound runs' own rates, ~1 minute away, are reported beside it (``matmul_gflops_start`` and
+``_end``).
 
 On a GPU machine, measure one worker at a time (``--backend auto`` picks NCCL there), with
 the dense matmuls in float32, TF32 or bfloat16 autocast, and optionally a profile::
@@ -120,6 +124,11 @@ def worker_ours(cfg, steps: int, warmup: int, precision: str = "fp32", profile: 
         if on_gpu:
             torch.cuda.synchronize()
 
+    # One CPU rank: the matmul rate just before the warm-up and just after the timed steps,
+    # so the bound that this run is compared with is the machine's speed at the same moment.
+    # Measured by a child process on as many threads, so this one's peak RSS stays its own.
+    alongside = not on_gpu and env.world_size == 1
+    matmul_before = _matmul_gflops_in_child(torch.get_num_threads()) if alongside else None
     run(warmup)
     dist.barrier()
     start = time.perf_counter()
@@ -143,6 +152,7 @@ def worker_ours(cfg, steps: int, warmup: int, precision: str = "fp32", profile: 
                 f.write(_profile_summary(prof) + "\n")
             prof.export_chrome_trace(profile + ".trace.json")
     rss = torch.tensor([_peak_rss_mb()], device=env.device)  # NCCL reduces only GPU tensors
+    matmul_after = _matmul_gflops_in_child(torch.get_num_threads()) if alongside else None
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     result = {
         "samples_per_s": done * cfg.data.batch_size * env.world_size / seconds,
@@ -155,6 +165,8 @@ def worker_ours(cfg, steps: int, warmup: int, precision: str = "fp32", profile: 
         "ms_per_step": seconds / steps * 1e3,
         "collectives": collectives(dmp),
     }
+    if alongside:
+        result["matmul_gflops_around"] = [matmul_before, matmul_after]
     if not on_gpu:
         from torchrec_cloud import native
 
@@ -230,6 +242,28 @@ def worker_handwritten(cfg, steps: int, warmup: int) -> dict[str, Any]:
     }
 
 
+def _matmul_flops_per_s(seconds: float) -> float:
+    """The float32 rate of 2048x2048 matmuls on this process's threads, over ``seconds``."""
+    n = 2048
+    x, y = torch.rand(n, n), torch.rand(n, n)
+    for _ in range(3):
+        x @ y
+    reps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        x @ y
+        reps += 1
+    return 2 * n**3 * reps / (time.perf_counter() - start)
+
+
+def _matmul_gflops_in_child(threads: int, seconds: float = 1.5) -> float:
+    code = (f"import torch; torch.set_num_threads({threads}); "
+            f"from torchrec_cloud.bench import _matmul_flops_per_s; print(_matmul_flops_per_s({seconds}) / 1e9)")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench: measuring the matmul rate failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    return float(proc.stdout.split()[-1])
+
+
 def worker_bound(cfg) -> dict[str, Any]:
     """FLOPs per sample of the dense compute, and the float32 matmul rate of this machine."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -243,15 +277,7 @@ def worker_bound(cfg) -> dict[str, Any]:
         torch.nn.functional.binary_cross_entropy_with_logits(model(dense, ids), torch.rand(b)).backward()
     flops_per_sample = counter.get_total_flops() / b
 
-    n = 2048
-    x, y = torch.rand(n, n), torch.rand(n, n)
-    for _ in range(3):
-        x @ y
-    reps, start = 0, time.perf_counter()
-    while time.perf_counter() - start < 3.0:
-        x @ y
-        reps += 1
-    matmul_flops_per_s = 2 * n**3 * reps / (time.perf_counter() - start)
+    matmul_flops_per_s = _matmul_flops_per_s(3.0)
     return {
         "flops_per_sample": flops_per_sample,
         "matmul_gflops": matmul_flops_per_s / 1e9,
@@ -296,7 +322,13 @@ def run_bench(batch_size: int, steps: int, warmup: int, extra: list[str], precis
     ours_last = _run_worker("ours", train_args, steps, warmup, precision=precision)
     bound_end = _run_worker("bound", train_args, steps, warmup)
     hand = _run_worker("handwritten", train_args, steps, warmup)
-    gflops = (bound["matmul_gflops"] + bound_end["matmul_gflops"]) / 2
+    # The bound: the matmul rate measured in each 1-rank process just before and after its
+    # timed steps (the bound runs' own rates, further away in time, where there is none).
+    alongside = [*ours_first.get("matmul_gflops_around", []), *ours_last.get("matmul_gflops_around", [])]
+    if len(alongside) == 4:
+        gflops = sum(alongside) / 4
+    else:
+        alongside, gflops = [], (bound["matmul_gflops"] + bound_end["matmul_gflops"]) / 2
     bound_samples_per_s = gflops * 1e9 / bound["flops_per_sample"]
     ours = {
         "samples_per_s": (ours_first["samples_per_s"] + ours_last["samples_per_s"]) / 2,
@@ -310,6 +342,7 @@ def run_bench(batch_size: int, steps: int, warmup: int, extra: list[str], precis
         "matmul_gflops": gflops,
         "matmul_gflops_start": bound["matmul_gflops"],
         "matmul_gflops_end": bound_end["matmul_gflops"],
+        "matmul_gflops_alongside_ours": alongside,
         "bound_samples_per_s": bound_samples_per_s,
         "ours_samples_per_s_runs": [ours_first["samples_per_s"], ours_last["samples_per_s"]],
         "ours_samples_per_s": ours["samples_per_s"],
@@ -329,7 +362,10 @@ def run_bench(batch_size: int, steps: int, warmup: int, extra: list[str], precis
 def format_table(r: dict[str, Any]) -> str:
     rows = [
         ("compute bound", r["bound_samples_per_s"], None, f"{r['flops_per_sample'] / 1e6:.2f} MFLOP/sample at {r['matmul_gflops']:.0f} GFLOP/s "
-                          f"(mean of {r['matmul_gflops_start']:.0f} and {r['matmul_gflops_end']:.0f})"),
+                          + (f"(around each 1-rank run: {', '.join(f'{g:.0f}' for g in r['matmul_gflops_alongside_ours'])}; "
+                             f"alone at start and end: {r['matmul_gflops_start']:.0f}, {r['matmul_gflops_end']:.0f})"
+                             if r.get("matmul_gflops_alongside_ours") else
+                             f"(mean of {r['matmul_gflops_start']:.0f} and {r['matmul_gflops_end']:.0f})")),
         ("ours, 1 rank", r["ours_samples_per_s"], r["ours_peak_rss_mb"], f"{r['ours_vs_bound']:.0%} of bound "
                                                                            f"(mean of {r['ours_samples_per_s_runs'][0]:,.0f} and {r['ours_samples_per_s_runs'][1]:,.0f})"),
         ("ours, 2 ranks", r["ours_2rank_samples_per_s"], r["ours_2rank_peak_rss_mb_per_rank"], f"{r['ours_2rank_vs_1rank']:.2f}x 1 rank (RSS per rank; {r.get('ours_2rank_collectives') or 'gloo'})"),
