@@ -164,13 +164,16 @@ static inline __attribute__((always_inline)) void backward_blocked(const float* 
       if (SUM_REGISTERS / 4 == 4) row_block_4_4(w, base, n, rows, grads, g, i);
       else row_block_2_4(w, base, n, rows, grads, g, i);
     }
-    for (; i < n; ++i) row_block_1_4(w, base, n, rows, grads, g, i);
+    const int64_t left = n - i; /* fewer than a block: one block of them */
+    if (left == 3) row_block_3_4(w, base, n, rows, grads, g, i);
+    else if (left == 2) row_block_2_4(w, base, n, rows, grads, g, i);
+    else if (left == 1) row_block_1_4(w, base, n, rows, grads, g, i);
   } else {
     for (; i + SUM_REGISTERS / 8 <= n; i += SUM_REGISTERS / 8) {
       if (SUM_REGISTERS / 8 == 2) row_block_2_8(w, base, n, rows, grads, g, i);
       else row_block_1_8(w, base, n, rows, grads, g, i);
     }
-    for (; i < n; ++i) row_block_1_8(w, base, n, rows, grads, g, i);
+    if (i < n) row_block_1_8(w, base, n, rows, grads, g, i);
   }
 }
 
