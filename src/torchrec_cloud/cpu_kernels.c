@@ -195,6 +195,8 @@ static void backward_samples(const float* grad_out, const float* dense, const fl
     }
     if (blocked)
       backward_blocked(rows, grads, grad_out + b * width, base, n, d);
+    else if (d == 128) /* without AVX-512: a constant width still unrolls, as before the blocks */
+      backward_pairs(rows, grads, grad_out + b * width, n, 128);
     else
       backward_pairs(rows, grads, grad_out + b * width, n, d);
   }
@@ -374,7 +376,8 @@ int rowwise_adagrad_update(float* weights, float* momentum, int64_t num_rows, in
  * features * batch + 1 entries) and each bag's ids are summed in order, as fbgemm's CPU kernel
  * does. The samples are split between the threads; each row is a random read from tables far
  * larger than the caches, so the rows of the bags PREFETCH_AHEAD ahead are prefetched (fbgemm's
- * kernel, one table at a time, took ~3x as long at 26 tables x 2048 samples).
+ * kernel, one table at a time, took ~2x as long on 2 threads at 26 tables x 2048 samples, and
+ * as long on 1: bench/cpu_kernels_bench.py).
  * Returns -2, with out partly written, if an id's row lies outside the num_rows rows.
  */
 static inline __attribute__((always_inline)) int lookup_samples(const float* weights, int64_t num_rows, int64_t d,

@@ -27,8 +27,9 @@ anything else goes to fbgemm unchanged. ``--cpu_embedding_update fbgemm`` switch
 
 On the same path the forward lookup runs in ``cpu_kernels.c`` too (:func:`pooled_lookup`):
 fbgemm's CPU forward works one table at a time; the kernel goes sample by sample over all
-the tables with the rows ahead prefetched, ~3x faster at 26 tables x 2048 samples. It sums
-each bag's ids in order, as fbgemm does.
+the tables with the rows ahead prefetched, ~2x faster on 2 threads at 26 tables x 2048
+samples (no faster on 1: bench/cpu_kernels_bench.py). It sums each bag's ids in order, as
+fbgemm does.
 """
 
 from __future__ import annotations
