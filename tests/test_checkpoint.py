@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
+import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -92,6 +95,32 @@ def test_async_save_commits_the_same_checkpoint(sync_run, tmp_path):
         assert sorted(expected) == sorted(actual)
         assert all(torch.equal(expected[k], actual[k]) for k in expected), name
     assert scores(result) == scores(sync_result)
+
+
+def test_waiting_for_a_slow_background_save_is_that_saves_stall(tmp_path, monkeypatch):
+    """Training that waits at step 6 for step 3's save still being written was stalled by
+    step 3's save: its record says so, and step 6's stall stays within its own duration."""
+    import torch.distributed.checkpoint as dcp
+
+    original, delay = dcp.async_save, 4.0
+
+    def first_one_slow(*args, **kwargs):
+        future = original(*args, **kwargs)
+        if first_one_slow.calls:
+            return future
+        first_one_slow.calls += 1
+        slow = Future()
+        threading.Thread(target=lambda: (future.result(), time.sleep(delay), slow.set_result(None))).start()
+        return slow
+
+    first_one_slow.calls = 0
+    monkeypatch.setattr(dcp, "async_save", first_one_slow)
+    flags = [*SHORT, "--checkpoint_path", str(tmp_path / "ckpt"), "--async_checkpoint"]
+    train(config(tmp_path, *flags))
+    third, sixth = records(tmp_path, "checkpoint")
+    assert (third["step"], sixth["step"]) == (3, 6)
+    assert delay / 2 < third["stall_s"] <= third["seconds"]  # steps 4-6 take well under 2 s
+    assert sixth["stall_s"] <= sixth["seconds"] and sixth["stall_s"] < delay / 2
 
 
 def test_damaged_or_uncommitted_checkpoint_is_skipped(sync_run, tmp_path, capsys):

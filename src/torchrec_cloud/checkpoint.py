@@ -603,13 +603,11 @@ class Checkpointer:
         state is copied; the commit happens when the background write finishes."""
         if not self.enabled or position.step == self._last_step:
             return
-        waited = time.perf_counter()
-        self.wait()  # the previous background save commits first; training waits for it too
+        self.wait()  # the previous background save commits first (its stall counts the wait)
         import torch.distributed as dist
         from torch.distributed.checkpoint import async_save, save
 
         start = time.perf_counter()
-        waited = start - waited
         path = storage.join(self.root, checkpoint_name(position.step))
         if self.env.is_main and storage.exists(path):
             storage.remove(path, recursive=True)  # leftovers of a save that never committed
@@ -632,8 +630,7 @@ class Checkpointer:
                     process_group=self._async_group,
                     async_stager=_already_staged(),
                 )
-                stall = waited + time.perf_counter() - start
-                self._pending = _PendingSave(future, path, trainer, start, stall, reason)
+                self._pending = _PendingSave(future, path, trainer, start, time.perf_counter() - start, reason)
                 return
             save(state, storage_writer=writer)
         except storage.StorageError:
@@ -643,7 +640,7 @@ class Checkpointer:
         if self.env.world_size > 1:
             dist.barrier()
         seconds = time.perf_counter() - start
-        self._commit(path, trainer, seconds, waited + seconds, reason, is_async=False)
+        self._commit(path, trainer, seconds, seconds, reason, is_async=False)
 
     def poll(self) -> None:
         """Commit a finished background save; cheap, call it between segments."""
@@ -651,18 +648,21 @@ class Checkpointer:
             self.wait()
 
     def wait(self) -> None:
-        """Block until a background save is written, then commit it."""
+        """Block until a background save is written, then commit it. The time blocked here
+        is part of that save's stall (the time it kept training waiting), next to its copy."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
+        blocked = time.perf_counter()
         try:
             pending.future.result()
         except Exception as e:
             raise CheckpointError(f"background save of {pending.path} failed: {e}") from e
-        seconds = time.perf_counter() - pending.start
+        now = time.perf_counter()
+        stall = pending.stall + now - blocked
         # Rank 0 coordinates DCP's save: its future resolves only after every rank's
         # shards and the .metadata index are written, so it may commit without a barrier.
-        self._commit(pending.path, pending.trainer, seconds, pending.stall, pending.reason, is_async=True)
+        self._commit(pending.path, pending.trainer, now - pending.start, stall, pending.reason, is_async=True)
 
     def close(self) -> None:
         self.wait()
