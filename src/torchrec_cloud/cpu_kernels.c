@@ -374,41 +374,44 @@ int rowwise_adagrad_update(float* weights, float* momentum, int64_t num_rows, in
  * (t, b) of c * weights[row_base[t] + id], c = the id's per-sample weight (or 1), divided by the
  * bag's length for mean pooling; an empty bag gives zeros. Bags are feature-major (offsets has
  * features * batch + 1 entries) and each bag's ids are summed in order, as fbgemm's CPU kernel
- * does. The samples are split between the threads; each row is a random read from tables far
- * larger than the caches, so the rows of the bags PREFETCH_AHEAD ahead are prefetched (fbgemm's
- * kernel, one table at a time, took ~2x as long on 2 threads at 26 tables x 2048 samples, and
- * as long on 1: bench/cpu_kernels_bench.py).
+ * does. The samples are split between the threads, and each thread goes table by table: a
+ * row is a random read from tables far larger than the caches, and within one table the page
+ * table entries of its rows stay cached, where sample by sample across all tables (665 MB at
+ * the quickstart model) nearly every row also missed the TLB and waited for a page walk from
+ * memory (2-3x slower with 4 KiB pages: bench/cpu_kernels_bench.py). The rows of the bag
+ * PREFETCH_AHEAD samples ahead are prefetched.
  * Returns -2, with out partly written, if an id's row lies outside the num_rows rows.
  */
 static inline __attribute__((always_inline)) int lookup_samples(const float* weights, int64_t num_rows, int64_t d,
     const int64_t* row_base, int64_t features, int64_t batch, const int64_t* indices, const int64_t* offsets,
     const float* indice_weights, int mean, float* out, int64_t b0, int64_t b1) {
-  const int64_t bags = (b1 - b0) * features;
-  for (int64_t k = 0; k < bags; ++k) {
-    const int64_t b = b0 + k / features, t = k % features;
-    if (k + PREFETCH_AHEAD < bags) {
-      const int64_t ahead = (b0 + (k + PREFETCH_AHEAD) / features) + (k + PREFETCH_AHEAD) % features * batch;
-      const int64_t last = offsets[ahead + 1] < offsets[ahead] + 4 ? offsets[ahead + 1] : offsets[ahead] + 4;
-      for (int64_t i = offsets[ahead]; i < last; ++i) {
-        const int64_t row = row_base[(k + PREFETCH_AHEAD) % features] + indices[i];
-        if (row >= 0 && row < num_rows) prefetch_row(weights + row * d, d, 0);
+  for (int64_t t = 0; t < features; ++t) {
+    const int64_t base = row_base[t];
+    const int64_t* restrict off = offsets + t * batch;
+    for (int64_t b = b0; b < b1; ++b) {
+      if (b + PREFETCH_AHEAD < b1) {
+        const int64_t first = off[b + PREFETCH_AHEAD], end = off[b + PREFETCH_AHEAD + 1];
+        for (int64_t i = first; i < end && i < first + 4; ++i) {
+          const int64_t row = base + indices[i];
+          if (row >= 0 && row < num_rows) prefetch_row(weights + row * d, d, 0);
+        }
       }
-    }
-    const int64_t bag = t * batch + b, start = offsets[bag], end = offsets[bag + 1];
-    float* restrict o = out + (b * features + t) * d;
-    for (int64_t x = 0; x < d; ++x) o[x] = 0.f;
-    const float norm = mean && end > start ? 1.f / (float)(end - start) : 1.f;
-    for (int64_t i = start; i < end; ++i) {
-      const int64_t row = row_base[t] + indices[i];
-      if (row < 0 || row >= num_rows) return -2;
-      if (i + 4 < end) {
-        const int64_t later = row_base[t] + indices[i + 4];
-        if (later >= 0 && later < num_rows) prefetch_row(weights + later * d, d, 0);
-      }
-      const float c = (indice_weights ? indice_weights[i] : 1.f) * norm;
-      const float* restrict w = weights + row * d;
+      const int64_t start = off[b], end = off[b + 1];
+      float* restrict o = out + (b * features + t) * d;
+      for (int64_t x = 0; x < d; ++x) o[x] = 0.f;
+      const float norm = mean && end > start ? 1.f / (float)(end - start) : 1.f;
+      for (int64_t i = start; i < end; ++i) {
+        const int64_t row = base + indices[i];
+        if (row < 0 || row >= num_rows) return -2;
+        if (i + 4 < end) {
+          const int64_t later = base + indices[i + 4];
+          if (later >= 0 && later < num_rows) prefetch_row(weights + later * d, d, 0);
+        }
+        const float c = (indice_weights ? indice_weights[i] : 1.f) * norm;
+        const float* restrict w = weights + row * d;
 #pragma omp simd
-      for (int64_t x = 0; x < d; ++x) o[x] += c * w[x];
+        for (int64_t x = 0; x < d; ++x) o[x] += c * w[x];
+      }
     }
   }
   return 0;
