@@ -12,7 +12,7 @@ Printed per destination and mode:
 
 - ``save_s``: from the start of a save until it is committed (median over the saves);
 - ``stall_s``: how long the training loop was blocked by a save (sync: all of it; async:
-  copying the state in memory);
+  copying the state in memory, plus waiting for the write where the next save comes first);
 - ``overhead_s``: extra training wall time per save against the run without checkpoints
   (the stall plus the slowdown of steps that share the CPU with a background write);
 - ``load_s``: resuming from the last checkpoint;

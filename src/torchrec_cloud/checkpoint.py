@@ -647,9 +647,9 @@ class Checkpointer:
         if self._pending is not None and self._pending.future.done():
             self.wait()
 
-    def wait(self) -> None:
-        """Block until a background save is written, then commit it. The time blocked here
-        is part of that save's stall (the time it kept training waiting), next to its copy."""
+    def wait(self, training_waits: bool = True) -> None:
+        """Block until a background save is written, then commit it. Where training waits
+        meanwhile, the time blocked is part of that save's stall, next to its copy."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -659,13 +659,13 @@ class Checkpointer:
         except Exception as e:
             raise CheckpointError(f"background save of {pending.path} failed: {e}") from e
         now = time.perf_counter()
-        stall = pending.stall + now - blocked
+        stall = pending.stall + (now - blocked if training_waits else 0.0)
         # Rank 0 coordinates DCP's save: its future resolves only after every rank's
         # shards and the .metadata index are written, so it may commit without a barrier.
         self._commit(pending.path, pending.trainer, now - pending.start, stall, pending.reason, is_async=True)
 
     def close(self) -> None:
-        self.wait()
+        self.wait(training_waits=False)  # training is over: waiting for the write stalls no step
 
     def _commit(self, path: str, trainer: dict, seconds: float, stall: float, reason: str, is_async: bool) -> None:
         if not self.env.is_main:
