@@ -102,18 +102,26 @@ def test_waiting_for_a_slow_background_save_is_that_saves_stall(tmp_path, monkey
     step 3's save: its record says so, and step 6's stall stays within its own duration."""
     import torch.distributed.checkpoint as dcp
 
-    original, delay = dcp.async_save, 4.0
+    original, delay, calls = dcp.async_save, 4.0, []
 
     def first_one_slow(*args, **kwargs):
         future = original(*args, **kwargs)
-        if first_one_slow.calls:
+        calls.append(future)
+        if len(calls) > 1:
             return future
-        first_one_slow.calls += 1
         slow = Future()
-        threading.Thread(target=lambda: (future.result(), time.sleep(delay), slow.set_result(None))).start()
+
+        def finish_late() -> None:  # a failed save fails the late future too, instead of a hang
+            try:
+                future.result()
+                time.sleep(delay)
+                slow.set_result(None)
+            except BaseException as e:
+                slow.set_exception(e)
+
+        threading.Thread(target=finish_late, daemon=True).start()
         return slow
 
-    first_one_slow.calls = 0
     monkeypatch.setattr(dcp, "async_save", first_one_slow)
     flags = [*SHORT, "--checkpoint_path", str(tmp_path / "ckpt"), "--async_checkpoint"]
     train(config(tmp_path, *flags))
