@@ -127,7 +127,8 @@ def test_built_model_keeps_torchrec_parameter_names():
 
 def test_misaligned_first_layers_pad_on_gpu_only_and_keep_their_parameters():
     # 13 dense features and the 415-wide dot-interaction output: padded to 16 and 416 on a
-    # GPU (fast cuBLAS kernels), the same nn.Linear on a CPU; shapes and names unchanged.
+    # GPU (fast cuBLAS kernels), the same nn.Linear on a CPU for inputs of in_features columns
+    # (test_native.py: the CPU interaction's rows that arrive padded); shapes and names unchanged.
     from torchrec_cloud.model import AlignedLinear, aligned_linear
 
     cfg = parse_job_config(["--embedding_dim", "64", "--num_embeddings", "50"])

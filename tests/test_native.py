@@ -149,3 +149,65 @@ def test_sparse_first_forward_equals_torchrec_forward(interaction):
     g_theirs = torch.autograd.grad(theirs.sum(), params)
     for a, c in zip(g_ours, g_theirs):
         torch.testing.assert_close(a, c)
+
+
+@pytest.mark.parametrize("b, f, d, pad_to, padded", [(33, 26, 64, 8, 416), (7, 3, 5, 16, 16), (4, 2, 4, 8, 8)])
+def test_padded_rows_hold_the_same_values_and_the_pad_takes_no_gradient(b, f, d, pad_to, padded):
+    """With pad_to, each output row of the C kernel is followed by zeros up to the padded
+    width; the values and both input gradients are bitwise those of unpadded rows, whatever
+    the gradient of the pad columns holds."""
+    assert native.library() is not None, "the CPU kernels should build on this machine (gcc is here)"
+    torch.manual_seed(5)
+    width = d + (f + 1) * f // 2
+    dense = torch.randn(b, d, requires_grad=True)
+    sparse = torch.randn(b, f, d, requires_grad=True)
+    plain = model._NativeDotInteractionFn.apply(dense, sparse, None)
+    out = model._NativeDotInteractionFn.apply(dense, sparse, None, pad_to)
+    assert plain.shape == (b, width) and out.shape == (b, padded)
+    assert torch.equal(out[:, :width], plain)
+    assert torch.equal(out[:, width:], torch.zeros(b, padded - width))
+    grad = torch.randn(b, padded) * 100  # the pad's gradient is noise the kernel must skip
+    g_padded = torch.autograd.grad(out, (dense, sparse), grad)
+    g_plain = torch.autograd.grad(plain, (dense, sparse), grad[:, :width].contiguous())
+    for a, c in zip(g_padded, g_plain):
+        assert torch.equal(a, c)
+
+
+def test_cpu_model_feeds_the_over_arch_padded_rows_with_the_same_result(cpu_kernel_path):
+    """On a CPU the C kernel's dot interaction hands the over arch's first layer rows padded to
+    a multiple of 8, which it takes with a padded weight (on torch ops, the rows as they are):
+    logits and every parameter's gradient equal those of the unpadded layer, and its
+    parameters keep their shapes."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from torchrec_cloud.config import parse_job_config
+
+    torch.manual_seed(6)
+    cfg = parse_job_config(["--num_embeddings", "40", "--embedding_dim", "8", "--dense_arch_layer_sizes", "16,8",
+                            "--over_arch_layer_sizes", "16,1"])  # fmt: skip
+    m = model.build_model(cfg.model, dense_device=torch.device("cpu"))
+    m.model.sparse_arch.embedding_bag_collection.to_empty(device="cpu")
+    for p in m.model.sparse_arch.embedding_bag_collection.parameters():
+        torch.nn.init.normal_(p)
+    first_over = next(x for x in m.model.over_arch.modules() if isinstance(x, torch.nn.Linear))
+    width = 8 + 27 * 26 // 2  # 359
+    assert type(first_over) is model.AlignedLinear and first_over.weight.shape == (16, width)
+    assert m.model.inter_arch.pad_to == 8
+    seen = []
+    first_over.register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape[1]))
+    names = m.model.sparse_arch.sparse_feature_names
+    b = 6
+    kjt = KeyedJaggedTensor.from_lengths_sync(names, torch.randint(0, 40, (len(names) * b,)),
+                                              torch.ones(len(names) * b, dtype=torch.long))  # fmt: skip
+    dense = torch.randn(b, cfg.model.num_dense_features)
+    params = [p for p in m.model.parameters() if p.requires_grad]
+    padded = m.model(dense, kjt)
+    g_padded = torch.autograd.grad(padded.sum(), params)
+    m.model.inter_arch.pad_to = 1
+    plain = m.model(dense, kjt)
+    g_plain = torch.autograd.grad(plain.sum(), params)
+    assert seen == [360 if native.library() is not None else width, width]
+    torch.testing.assert_close(padded, plain)
+    for a, c in zip(g_padded, g_plain):
+        assert a.shape == c.shape
+        torch.testing.assert_close(a, c)

@@ -60,14 +60,15 @@ static inline __attribute__((always_inline)) void sample_pairs(const float* cons
 }
 
 static inline __attribute__((always_inline)) void forward_samples(const float* dense, const float* sparse,
-                                                                  const int64_t* order, float* out, int64_t b0,
-                                                                  int64_t b1, int64_t f, int64_t d) {
-  const int64_t n = f + 1, width = d + n * (n - 1) / 2;
+                                                                  const int64_t* order, float* out,
+                                                                  int64_t out_stride, int64_t b0, int64_t b1,
+                                                                  int64_t f, int64_t d) {
+  const int64_t n = f + 1;
   const float* rows[n];
   for (int64_t b = b0; b < b1; ++b) {
     rows[0] = dense + b * d;
     for (int64_t i = 1; i < n; ++i) rows[i] = sparse + (b * f + (order ? order[i - 1] : i - 1)) * d;
-    float* o = out + b * width;
+    float* o = out + b * out_stride;
     memcpy(o, rows[0], d * sizeof(float));
     sample_pairs(rows, n, d, o + d);
   }
@@ -177,9 +178,10 @@ static inline __attribute__((always_inline)) void backward_blocked(const float* 
   }
 }
 
-static void backward_samples(const float* grad_out, const float* dense, const float* sparse, const int64_t* order,
-                             float* grad_dense, float* grad_sparse, int64_t b0, int64_t b1, int64_t f, int64_t d) {
-  const int64_t n = f + 1, width = d + n * (n - 1) / 2;
+static void backward_samples(const float* grad_out, int64_t grad_stride, const float* dense, const float* sparse,
+                             const int64_t* order, float* grad_dense, float* grad_sparse, int64_t b0, int64_t b1,
+                             int64_t f, int64_t d) {
+  const int64_t n = f + 1;
   const int blocked = d == 4 * VECTOR_FLOATS || d == 8 * VECTOR_FLOATS;
   const float* rows[n];
   float* grads[n];
@@ -194,11 +196,11 @@ static void backward_samples(const float* grad_out, const float* dense, const fl
       grads[i] = grad_sparse + (b * f + column) * d;
     }
     if (blocked)
-      backward_blocked(rows, grads, grad_out + b * width, base, n, d);
+      backward_blocked(rows, grads, grad_out + b * grad_stride, base, n, d);
     else if (d == 128) /* without AVX-512: a constant width still unrolls, as before the blocks */
-      backward_pairs(rows, grads, grad_out + b * width, n, 128);
+      backward_pairs(rows, grads, grad_out + b * grad_stride, n, 128);
     else
-      backward_pairs(rows, grads, grad_out + b * width, n, d);
+      backward_pairs(rows, grads, grad_out + b * grad_stride, n, d);
   }
 }
 
@@ -220,29 +222,34 @@ static void thread_share(int64_t batch, int64_t* b0, int64_t* b1) {
   *b1 = batch * (t + 1) / threads;
 }
 
-/* The common widths are compile-time constants, so their inner loops unroll into whole vectors. */
+/*
+ * Sample b's output row starts at out + b * out_stride (and its gradient's at grad_out + b *
+ * grad_stride): a stride above the row's d + n(n-1)/2 floats leaves columns the caller pads.
+ * The common widths are compile-time constants, so their inner loops unroll into whole vectors.
+ */
 void dot_interaction_forward(const float* dense, const float* sparse, const int64_t* order, float* out,
-                             int64_t batch, int64_t f, int64_t d) {
+                             int64_t out_stride, int64_t batch, int64_t f, int64_t d) {
 #pragma omp parallel
   {
     int64_t b0, b1;
     thread_share(batch, &b0, &b1);
     if (d == 64)
-      forward_samples(dense, sparse, order, out, b0, b1, f, 64);
+      forward_samples(dense, sparse, order, out, out_stride, b0, b1, f, 64);
     else if (d == 128)
-      forward_samples(dense, sparse, order, out, b0, b1, f, 128);
+      forward_samples(dense, sparse, order, out, out_stride, b0, b1, f, 128);
     else
-      forward_samples(dense, sparse, order, out, b0, b1, f, d);
+      forward_samples(dense, sparse, order, out, out_stride, b0, b1, f, d);
   }
 }
 
-void dot_interaction_backward(const float* grad_out, const float* dense, const float* sparse, const int64_t* order,
-                              float* grad_dense, float* grad_sparse, int64_t batch, int64_t f, int64_t d) {
+void dot_interaction_backward(const float* grad_out, int64_t grad_stride, const float* dense, const float* sparse,
+                              const int64_t* order, float* grad_dense, float* grad_sparse, int64_t batch, int64_t f,
+                              int64_t d) {
 #pragma omp parallel
   {
     int64_t b0, b1;
     thread_share(batch, &b0, &b1);
-    backward_samples(grad_out, dense, sparse, order, grad_dense, grad_sparse, b0, b1, f, d);
+    backward_samples(grad_out, grad_stride, dense, sparse, order, grad_dense, grad_sparse, b0, b1, f, d);
   }
 }
 

@@ -82,6 +82,8 @@ def _use_fast_arches(dlrm: torch.nn.Module) -> None:
         first = next(m for m in arch.modules() if isinstance(m, torch.nn.Linear))
         if first.in_features % ALIGN:
             first.__class__ = AlignedLinear
+            if arch is dlrm.over_arch and isinstance(dlrm.inter_arch, DotInteraction):
+                dlrm.inter_arch.pad_to = ALIGN  # it hands the over arch rows it takes as they are
 
 
 ALIGN = 8
@@ -102,11 +104,22 @@ class AlignedLinear(torch.nn.Linear):
     cuBLAS's Hopper/Ampere tensor-core GEMMs need 16-byte aligned rows; with odd rows it
     falls back to slow Turing-era kernels (seen on an H100: the first top-MLP layer took
     most of the dense time). On a GPU the input and weight are zero-padded per call
-    (same result); on a CPU this is nn.Linear.
+    (same result).
+
+    On a CPU the GEMMs with a row of 415 floats run ~20% slower than with 416 (MKL, 2
+    threads: 7.8 against 6.1 ms for the input's gradient at batch 2048). The dot interaction
+    there writes its rows already padded with zeros (``DotInteraction.pad_to``), and only the
+    weight is padded here: the layer's forward and backward at batch 2048 take 21.3 ms
+    against 23.3. Any other input of in_features columns goes through nn.Linear.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if not x.is_cuda:
+            padded = self.in_features + (-self.in_features % ALIGN)
+            if x.dim() >= 1 and x.shape[-1] == padded:
+                return torch.nn.functional.linear(
+                    x, torch.nn.functional.pad(self.weight, (0, padded - self.in_features)), self.bias
+                )
             return super().forward(x)
         if torch.is_autocast_enabled("cuda"):  # pad the half-width copy autocast makes anyway
             x = x.to(torch.get_autocast_dtype("cuda"))
@@ -196,6 +209,9 @@ class DotInteraction(InteractionArch):
     """
 
     def init_flat_indices(self) -> None:
+        # On the CPU kernel's path, the output's rows are padded with zero columns to a multiple
+        # of pad_to (set when the next layer is an AlignedLinear, which takes them so).
+        self.pad_to = 1
         n = self.F + 1
         rows, cols = self.triu_indices
         pairs = rows.numel()
@@ -217,7 +233,7 @@ class DotInteraction(InteractionArch):
         dtype = torch.promote_types(dense_features.dtype, sparse_features.dtype)
         if dtype == torch.float32 and dense_features.device.type == "cpu" and native.library() is not None:
             with torch.autocast("cpu", enabled=False):
-                return _NativeDotInteractionFn.apply(dense_features.float(), sparse_features.float(), order)
+                return _NativeDotInteractionFn.apply(dense_features.float(), sparse_features.float(), order, self.pad_to)
         sparse_features = in_feature_order(sparse_features, order)
         with torch.autocast(dense_features.device.type, enabled=False):
             return _DotInteractionFn.apply(
@@ -259,16 +275,21 @@ class _NativeDotInteractionFn(torch.autograd.Function):
     """The same interaction on CPU through ``cpu_kernels.c``: only the pairs are computed, with
     no concatenated copy of the rows and no full Gram matrix; the pooled embeddings are read in
     the order they arrive in, and their gradient is written contiguous in that order (the
-    tables' row-wise Adagrad reads it without a copy)."""
+    tables' row-wise Adagrad reads it without a copy). With pad_to > 1, each output row is
+    followed by zero columns up to a multiple of pad_to, whose gradient is ignored."""
 
     @staticmethod
-    def forward(ctx, dense, sparse, order):  # type: ignore[override]
+    def forward(ctx, dense, sparse, order, pad_to=1):  # type: ignore[override]
         dense, sparse = dense.contiguous(), sparse.contiguous()
         b, f, d = sparse.shape
         n = f + 1
-        out = dense.new_empty(b, d + n * (n - 1) // 2)
+        width = d + n * (n - 1) // 2
+        out = dense.new_empty(b, width + (-width % pad_to))
+        out[:, width:].zero_()
         order_ptr = order.data_ptr() if order is not None else None
-        native.library().dot_interaction_forward(dense.data_ptr(), sparse.data_ptr(), order_ptr, out.data_ptr(), b, f, d)
+        native.library().dot_interaction_forward(
+            dense.data_ptr(), sparse.data_ptr(), order_ptr, out.data_ptr(), out.shape[1], b, f, d
+        )  # fmt: skip
         ctx.save_for_backward(dense, sparse)
         ctx.order = order
         return out
@@ -276,12 +297,15 @@ class _NativeDotInteractionFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         dense, sparse = ctx.saved_tensors
-        grad_out = grad_out.float().contiguous()
         b, f, d = sparse.shape
+        n = f + 1
+        grad_out = grad_out.float()
+        if grad_out.stride(1) != 1 or grad_out.stride(0) < d + n * (n - 1) // 2:
+            grad_out = grad_out.contiguous()
         grad_dense, grad_sparse = torch.empty_like(dense), torch.empty_like(sparse)
         order_ptr = ctx.order.data_ptr() if ctx.order is not None else None
         native.library().dot_interaction_backward(
-            grad_out.data_ptr(), dense.data_ptr(), sparse.data_ptr(), order_ptr,
+            grad_out.data_ptr(), grad_out.stride(0), dense.data_ptr(), sparse.data_ptr(), order_ptr,
             grad_dense.data_ptr(), grad_sparse.data_ptr(), b, f, d,
         )  # fmt: skip
-        return grad_dense, grad_sparse, None
+        return grad_dense, grad_sparse, None, None

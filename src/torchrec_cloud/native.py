@@ -93,9 +93,9 @@ def build() -> Path:
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.dot_interaction_forward.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
+    lib.dot_interaction_forward.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64]
     lib.dot_interaction_forward.restype = None
-    lib.dot_interaction_backward.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]
+    lib.dot_interaction_backward.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]
     lib.dot_interaction_backward.restype = None
     f32 = ctypes.c_float
     lib.rowwise_adagrad_update.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, f32, f32]
