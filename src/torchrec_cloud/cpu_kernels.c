@@ -261,7 +261,9 @@ void dot_interaction_backward(const float* grad_out, int64_t grad_stride, const 
  * No sort: thread t owns the rows with row % threads == t (no two threads write one row). A
  * hash table chains each distinct row's ids in id order (the order fbgemm sums them in); a
  * row seen once, most of them, is then updated straight from its gradient. The table rows
- * are random reads and writes across the whole table, so the next ones are prefetched.
+ * are random reads and writes across the whole table, so the next ones are prefetched, with
+ * their momentum entries (one float each, as random; not prefetched, they cost ~0.5 ms of a
+ * ~5.5 ms update at batch 2048 on 2 threads).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -293,6 +295,7 @@ static inline __attribute__((always_inline)) void update_rows(float* weights, fl
       const int64_t ahead = first[u + PREFETCH_AHEAD];
       prefetch_row(weights + rows[ahead] * d, d, 1);
       prefetch_row(grads + src[ahead], d, 0);
+      __builtin_prefetch(momentum + rows[ahead], 1, 0);
     }
     int64_t i = first[u];
     const int64_t row = rows[i];
