@@ -207,6 +207,12 @@ def test_cpu_model_feeds_the_over_arch_padded_rows_with_the_same_result(cpu_kern
     plain = m.model(dense, kjt)
     g_plain = torch.autograd.grad(plain.sum(), params)
     assert seen == [360 if native.library() is not None else width, width]
+    # Only rows from the interaction are taken padded: the dense arch's first layer (13 inputs)
+    # still rejects 16 columns instead of reading them with a padded weight.
+    first_dense = m.model.dense_arch.model._mlp[0]._linear
+    assert type(first_dense) is model.AlignedLinear
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        first_dense(torch.randn(b, 16))
     torch.testing.assert_close(padded, plain)
     for a, c in zip(g_padded, g_plain):
         assert a.shape == c.shape

@@ -82,8 +82,10 @@ def _use_fast_arches(dlrm: torch.nn.Module) -> None:
         first = next(m for m in arch.modules() if isinstance(m, torch.nn.Linear))
         if first.in_features % ALIGN:
             first.__class__ = AlignedLinear
+            first.takes_padded_rows = False
             if arch is dlrm.over_arch and isinstance(dlrm.inter_arch, DotInteraction):
                 dlrm.inter_arch.pad_to = ALIGN  # it hands the over arch rows it takes as they are
+                first.takes_padded_rows = True
 
 
 ALIGN = 8
@@ -110,13 +112,16 @@ class AlignedLinear(torch.nn.Linear):
     threads: 7.8 against 6.1 ms for the input's gradient at batch 2048). The dot interaction
     there writes its rows already padded with zeros (``DotInteraction.pad_to``), and only the
     weight is padded here: the layer's forward and backward at batch 2048 take 21.3 ms
-    against 23.3. Any other input of in_features columns goes through nn.Linear.
+    against 23.3. Only the layer after that interaction (``takes_padded_rows``) accepts
+    padded rows; any other input goes through nn.Linear, which rejects a wrong width.
     """
+
+    takes_padded_rows = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if not x.is_cuda:
             padded = self.in_features + (-self.in_features % ALIGN)
-            if x.dim() >= 1 and x.shape[-1] == padded:
+            if self.takes_padded_rows and x.dim() >= 1 and x.shape[-1] == padded:
                 return torch.nn.functional.linear(
                     x, torch.nn.functional.pad(self.weight, (0, padded - self.in_features)), self.bias
                 )
