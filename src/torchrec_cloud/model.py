@@ -82,7 +82,6 @@ def _use_fast_arches(dlrm: torch.nn.Module) -> None:
         first = next(m for m in arch.modules() if isinstance(m, torch.nn.Linear))
         if first.in_features % ALIGN:
             first.__class__ = AlignedLinear
-            first.takes_padded_rows = False
             if arch is dlrm.over_arch and isinstance(dlrm.inter_arch, DotInteraction):
                 dlrm.inter_arch.pad_to = ALIGN  # it hands the over arch rows it takes as they are
                 first.takes_padded_rows = True
@@ -91,12 +90,20 @@ def _use_fast_arches(dlrm: torch.nn.Module) -> None:
 ALIGN = 8
 
 
-def aligned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` with the inner dimension zero-padded to a multiple of ``ALIGN``."""
-    pad = -weight.shape[1] % ALIGN
-    return torch.nn.functional.linear(
-        torch.nn.functional.pad(x, (0, pad)), torch.nn.functional.pad(weight, (0, pad)), bias
-    )
+def aligned_width(features: int) -> int:
+    """``features`` rounded up to a multiple of ``ALIGN``."""
+    return features + (-features % ALIGN)
+
+
+def aligned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   x_padded: bool = False) -> torch.Tensor:  # fmt: skip
+    """``F.linear`` with the inner dimension zero-padded to a multiple of ``ALIGN``; with
+    ``x_padded``, x already has that many columns (the extra ones zero) and only the weight
+    is padded."""
+    pad = aligned_width(weight.shape[1]) - weight.shape[1]
+    if not x_padded:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return torch.nn.functional.linear(x, torch.nn.functional.pad(weight, (0, pad)), bias)
 
 
 class AlignedLinear(torch.nn.Linear):
@@ -120,11 +127,8 @@ class AlignedLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if not x.is_cuda:
-            padded = self.in_features + (-self.in_features % ALIGN)
-            if self.takes_padded_rows and x.dim() >= 1 and x.shape[-1] == padded:
-                return torch.nn.functional.linear(
-                    x, torch.nn.functional.pad(self.weight, (0, padded - self.in_features)), self.bias
-                )
+            if self.takes_padded_rows and x.shape[-1] == aligned_width(self.in_features):
+                return aligned_linear(x, self.weight, self.bias, x_padded=True)
             return super().forward(x)
         if torch.is_autocast_enabled("cuda"):  # pad the half-width copy autocast makes anyway
             x = x.to(torch.get_autocast_dtype("cuda"))
@@ -288,7 +292,7 @@ class _NativeDotInteractionFn(torch.autograd.Function):
         dense, sparse = dense.contiguous(), sparse.contiguous()
         b, f, d = sparse.shape
         n = f + 1
-        width = d + n * (n - 1) // 2
+        ctx.width = width = d + n * (n - 1) // 2
         out = dense.new_empty(b, width + (-width % pad_to))
         out[:, width:].zero_()
         order_ptr = order.data_ptr() if order is not None else None
@@ -303,9 +307,8 @@ class _NativeDotInteractionFn(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[override]
         dense, sparse = ctx.saved_tensors
         b, f, d = sparse.shape
-        n = f + 1
         grad_out = grad_out.float()
-        if grad_out.stride(1) != 1 or grad_out.stride(0) < d + n * (n - 1) // 2:
+        if grad_out.stride(1) != 1 or grad_out.stride(0) < ctx.width:
             grad_out = grad_out.contiguous()
         grad_dense, grad_sparse = torch.empty_like(dense), torch.empty_like(sparse)
         order_ptr = ctx.order.data_ptr() if ctx.order is not None else None
