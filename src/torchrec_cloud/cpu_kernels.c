@@ -59,17 +59,106 @@ static inline __attribute__((always_inline)) void sample_pairs(const float* cons
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_PAIR_BLOCKS 1
+
+/* [sum(a0), sum(a1), sum(a2), sum(a3)]: one reduction tree for four accumulators. */
+static inline __attribute__((always_inline)) __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+static inline __attribute__((always_inline)) float sum1(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline __attribute__((always_inline)) float dot1(const float* x, const float* y, int64_t d) {
+  __m256 a = _mm256_setzero_ps();
+  for (int64_t k = 0; k < d; k += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(y + k), a);
+  return sum1(a);
+}
+
+/* Rows i .. i + R - 1 (R = 2 or 3) against every later row, four rows j at a time. */
+#define DEFINE_ROW_GROUP(R)                                                                             \
+  static inline __attribute__((always_inline)) void row_group_##R(const float* const* rows, int64_t n,  \
+                                                                  int64_t d, const int64_t* base,       \
+                                                                  float* restrict p, int64_t i) {       \
+    const float* x[R];                                                                                  \
+    _Pragma("GCC unroll 3") for (int q = 0; q < R; ++q) x[q] = rows[i + q];                             \
+    _Pragma("GCC unroll 3") for (int q = 0; q < R; ++q)                                                 \
+      _Pragma("GCC unroll 3") for (int r = q + 1; r < R; ++r) p[base[i + q] + i + r] = dot1(x[q], x[r], d); \
+    int64_t j = i + R;                                                                                  \
+    for (; j + 4 <= n; j += 4) {                                                                        \
+      const float* y[4] = {rows[j], rows[j + 1], rows[j + 2], rows[j + 3]};                             \
+      __m256 s[R][4];                                                                                   \
+      _Pragma("GCC unroll 3") for (int q = 0; q < R; ++q)                                               \
+        _Pragma("GCC unroll 4") for (int c = 0; c < 4; ++c) s[q][c] = _mm256_setzero_ps();              \
+      for (int64_t k = 0; k < d; k += 8) {                                                              \
+        __m256 u[R];                                                                                    \
+        _Pragma("GCC unroll 3") for (int q = 0; q < R; ++q) u[q] = _mm256_loadu_ps(x[q] + k);           \
+        _Pragma("GCC unroll 4") for (int c = 0; c < 4; ++c) {                                           \
+          const __m256 v = _mm256_loadu_ps(y[c] + k);                                                   \
+          _Pragma("GCC unroll 3") for (int q = 0; q < R; ++q) s[q][c] = _mm256_fmadd_ps(u[q], v, s[q][c]); \
+        }                                                                                               \
+      }                                                                                                 \
+      _Pragma("GCC unroll 3") for (int q = 0; q < R; ++q)                                               \
+        _mm_storeu_ps(p + base[i + q] + j, sum4(s[q][0], s[q][1], s[q][2], s[q][3]));                   \
+    }                                                                                                   \
+    for (; j < n; ++j) {                                                                                \
+      __m256 s[R];                                                                                      \
+      _Pragma("GCC unroll 3") for (int q = 0; q < R; ++q) s[q] = _mm256_setzero_ps();                   \
+      for (int64_t k = 0; k < d; k += 8) {                                                              \
+        const __m256 v = _mm256_loadu_ps(rows[j] + k);                                                  \
+        _Pragma("GCC unroll 3") for (int q = 0; q < R; ++q)                                             \
+          s[q] = _mm256_fmadd_ps(_mm256_loadu_ps(x[q] + k), v, s[q]);                                   \
+      }                                                                                                 \
+      _Pragma("GCC unroll 3") for (int q = 0; q < R; ++q) p[base[i + q] + j] = sum1(s[q]);              \
+    }                                                                                                   \
+  }
+DEFINE_ROW_GROUP(2)
+DEFINE_ROW_GROUP(3)
+
+/*
+ * The pairs of one sample, three rows against four later rows at a time: twelve independent
+ * sums (the FMAs' latency is hidden), seven loads per twelve FMAs, and one reduction tree per
+ * row's four sums, stored as four adjacent outputs. sample_pairs, one row against four, waits
+ * on its four sums' FMA chains and reduces each sum alone: ~2x slower at 27 x 64 with the rows
+ * in cache, ~1.45x at batch 2048 from memory (AVX2 machines we measured). d is a multiple of
+ * 8; p[base[i] + j] is pair (i, j), i < j.
+ */
+static inline __attribute__((always_inline)) void sample_pair_blocks(const float* const* rows, int64_t n, int64_t d,
+                                                                     const int64_t* base, float* restrict p) {
+  int64_t i = 0;
+  for (; i + 3 <= n; i += 3) row_group_3(rows, n, d, base, p, i);
+  if (i + 2 == n) row_group_2(rows, n, d, base, p, i);
+  /* One row left: its pairs were all made as an earlier row's j. */
+}
+#endif
+
 static inline __attribute__((always_inline)) void forward_samples(const float* dense, const float* sparse,
                                                                   const int64_t* order, float* out,
                                                                   int64_t out_stride, int64_t b0, int64_t b1,
                                                                   int64_t f, int64_t d) {
   const int64_t n = f + 1;
   const float* rows[n];
+#ifdef HAVE_PAIR_BLOCKS
+  int64_t base[n];
+  for (int64_t i = 0; i < n; ++i) base[i] = i * n - i * (i + 1) / 2 - i - 1;
+#endif
   for (int64_t b = b0; b < b1; ++b) {
     rows[0] = dense + b * d;
     for (int64_t i = 1; i < n; ++i) rows[i] = sparse + (b * f + (order ? order[i - 1] : i - 1)) * d;
     float* o = out + b * out_stride;
     memcpy(o, rows[0], d * sizeof(float));
+#ifdef HAVE_PAIR_BLOCKS
+    if (d % 8 == 0) {
+      sample_pair_blocks(rows, n, d, base, o + d);
+      continue;
+    }
+#endif
     sample_pairs(rows, n, d, o + d);
   }
 }
