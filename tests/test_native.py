@@ -198,8 +198,8 @@ def test_cpu_model_feeds_the_over_arch_padded_rows_with_the_same_result(cpu_kern
     width = 8 + 27 * 26 // 2  # 359
     assert type(first_over) is model.AlignedLinear and first_over.weight.shape == (16, width)
     assert m.model.inter_arch.pad_to == 8
-    seen = []
-    first_over.register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape[1]))
+    seen = []  # what the layer (its Perceptron: linear and ReLU) is handed
+    m.model.over_arch.model[0]._mlp[0].register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape[1]))
     names = m.model.sparse_arch.sparse_feature_names
     b = 6
     kjt = KeyedJaggedTensor.from_lengths_sync(names, torch.randint(0, 40, (len(names) * b,)),
@@ -216,9 +216,86 @@ def test_cpu_model_feeds_the_over_arch_padded_rows_with_the_same_result(cpu_kern
     # still rejects 16 columns instead of reading them with a padded weight.
     first_dense = m.model.dense_arch.model._mlp[0]._linear
     assert type(first_dense) is model.AlignedLinear
-    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
-        first_dense(torch.randn(b, 16))
+    for layer in (first_dense, m.model.dense_arch.model._mlp[0]):
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+            layer(torch.randn(b, 16))
     torch.testing.assert_close(padded, plain)
     for a, c in zip(g_padded, g_plain):
         assert a.shape == c.shape
+        torch.testing.assert_close(a, c)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("b, i, o", [(33, 16, 13), (5, 7, 3), (64, 24, 32)])
+def test_relu_layer_matches_torch(b, i, o, threads):
+    """The MLP layer with its bias and ReLU in C gives torch's relu(linear(x)) and its
+    gradients, including where the pre-activation is exactly zero (no gradient, as
+    threshold_backward) or NaN (stays NaN, and passes the gradient, as torch's ops do)."""
+    assert native.library() is not None, "the CPU kernels should build on this machine (gcc is here)"
+    from torchrec.modules.mlp import Perceptron
+
+    torch.manual_seed(7)
+    layer = Perceptron(i, o, activation=torch.relu)
+    with torch.no_grad():
+        layer._linear.bias[0] = 0.0
+        layer._linear.bias[1] = float("nan")
+    x = torch.randn(b, i)
+    x[:2] = 0.0  # rows whose pre-activation is the bias: exactly 0 in column 0, NaN in column 1
+    x.requires_grad_()
+    grad = torch.randn(b, o)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        results = []
+        for cls in (Perceptron, model.ReLUPerceptron):
+            layer.__class__ = cls
+            y = layer(x)
+            results.append((y, *torch.autograd.grad(y, (x, *layer.parameters()), grad)))
+    finally:
+        torch.set_num_threads(previous)
+    (y_ref, *g_ref), (y, *g) = results
+    assert "LinearReLU" in type(y.grad_fn).__name__
+    torch.testing.assert_close(y, y_ref, equal_nan=True)
+    assert torch.equal(y[:2, 0], torch.zeros(2)) and y[:, 1].isnan().all()
+    for a, c in zip(g, g_ref):
+        torch.testing.assert_close(a, c, equal_nan=True)
+
+
+def test_cpu_model_layers_use_the_c_relu_with_the_same_result(cpu_kernel_path):
+    """Every MLP layer with a ReLU in the built CPU model runs through the C bias and ReLU
+    (with the C kernels), and the logits and every parameter's gradient equal TorchRec's
+    layers'."""
+    from torchrec.modules.mlp import Perceptron
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from torchrec_cloud.config import parse_job_config
+
+    torch.manual_seed(8)
+    cfg = parse_job_config(["--num_embeddings", "40", "--embedding_dim", "8", "--dense_arch_layer_sizes", "16,8",
+                            "--over_arch_layer_sizes", "16,8,1"])  # fmt: skip
+    m = model.build_model(cfg.model, dense_device=torch.device("cpu"))
+    m.model.sparse_arch.embedding_bag_collection.to_empty(device="cpu")
+    for p in m.model.sparse_arch.embedding_bag_collection.parameters():
+        torch.nn.init.normal_(p)
+    layers = [x for x in m.model.modules() if isinstance(x, Perceptron)]
+    assert len(layers) == 4 and all(type(x) is model.ReLUPerceptron for x in layers)
+    names = m.model.sparse_arch.sparse_feature_names
+    b = 6
+    kjt = KeyedJaggedTensor.from_lengths_sync(names, torch.randint(0, 40, (len(names) * b,)),
+                                              torch.ones(len(names) * b, dtype=torch.long))  # fmt: skip
+    dense = torch.randn(b, cfg.model.num_dense_features)
+    params = [p for p in m.model.parameters() if p.requires_grad]
+    kinds = []
+    for layer in layers:
+        layer.register_forward_hook(lambda mod, args, out: kinds.append(type(out.grad_fn).__name__))
+    fused = m.model(dense, kjt)
+    g_fused = torch.autograd.grad(fused.sum(), params)
+    for layer in layers:
+        layer.__class__ = Perceptron
+    plain = m.model(dense, kjt)
+    g_plain = torch.autograd.grad(plain.sum(), params)
+    c_path = native.library() is not None
+    assert [("LinearReLU" in k) for k in kinds[:4]] == [c_path] * 4
+    torch.testing.assert_close(fused, plain)
+    for a, c in zip(g_fused, g_plain):
         torch.testing.assert_close(a, c)

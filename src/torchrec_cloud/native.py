@@ -7,9 +7,9 @@ a copy built on another machine is never loaded) into ``$TORCHREC_CLOUD_KERNEL_C
 (default ``~/.cache/torchrec-cloud/kernels``), written to a temporary name and renamed, so
 ranks that start together never load half a file. Without a C compiler, or with
 ``TORCHREC_CLOUD_NATIVE=0``, :func:`library` returns None after one warning and callers use
-their torch-op path: same results, slower. The kernels: the dot interaction (model.py), the
-tables' row-wise Adagrad update (cpu_rowwise_adagrad.py), and the signals of the shared-memory
-collectives between ranks on one host (shm_group.py).
+their torch-op path: same results, slower. The kernels: the dot interaction and the MLP
+layers' bias and ReLU (model.py), the tables' row-wise Adagrad update (cpu_rowwise_adagrad.py),
+and the signals of the shared-memory collectives between ranks on one host (shm_group.py).
 """
 
 from __future__ import annotations
@@ -97,6 +97,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.dot_interaction_forward.restype = None
     lib.dot_interaction_backward.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]
     lib.dot_interaction_backward.restype = None
+    lib.bias_relu_forward.argtypes = [ptr, ptr, i64, i64]
+    lib.bias_relu_forward.restype = None
+    lib.relu_bias_backward.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64]
+    lib.relu_bias_backward.restype = ctypes.c_int
     f32 = ctypes.c_float
     lib.rowwise_adagrad_update.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, f32, f32]
     lib.rowwise_adagrad_update.restype = ctypes.c_int
