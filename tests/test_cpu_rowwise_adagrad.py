@@ -82,6 +82,19 @@ def test_an_id_outside_the_tables_is_refused_before_any_row_changes(cpu_kernel_p
     assert torch.equal(weights, before) and not momentum.any()
 
 
+@pytest.mark.parametrize("offsets", [[0, 1, 2, 3, 3], [0, 2, 1, 3, 4], [1, 2, 3, 4, 4]], ids=["short", "decreasing", "from 1"])
+def test_offsets_that_do_not_cover_the_ids_are_refused_before_any_row_changes(cpu_kernel_path, offsets):
+    torch.manual_seed(0)
+    weights, momentum = torch.randn(20, 4), torch.zeros(20)
+    before = weights.clone()
+    with pytest.raises(ValueError, match="the 5 bag offsets must run from 0 to the 4 ids"):
+        cpu_rowwise_adagrad.rowwise_adagrad_update(
+            weights, momentum, torch.tensor([0, 10]), torch.tensor([3, 1, 5, 2]), torch.tensor(offsets),
+            torch.randn(2, 8), lr=0.1, eps=1e-8,
+        )  # fmt: skip
+    assert torch.equal(weights, before) and not momentum.any()
+
+
 def test_lookup_equals_fbgemm_forward_bit_for_bit_and_refuses_ids_outside_the_tables(restore_fbgemm):
     """Weighted bags with mean pooling (both scalings) of up to 100 ids, against fbgemm's CPU
     forward. (fbgemm's CPU *update* for that combination is not the gradient of its forward,

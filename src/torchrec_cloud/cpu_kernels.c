@@ -528,6 +528,35 @@ int rowwise_adagrad_update(float* weights, float* momentum, int64_t num_rows, in
 }
 
 /*
+ * What the update needs of each id of feature-major bags (offsets has features * batch + 1
+ * entries, from 0 to n): rows[i] = row_base[t] + indices[i], its row in the tables, and
+ * src[i] = sample * grad_stride + t * d, where its bag's pooled gradient starts. One pass,
+ * bags split between threads, instead of the nine whole-batch torch ops that derived them.
+ * Returns -3, with nothing written, if the offsets do not run from 0 to n without decreasing.
+ */
+int bag_rows(const int64_t* indices, const int64_t* offsets, int64_t n, const int64_t* row_base, int64_t features,
+             int64_t batch, int64_t d, int64_t grad_stride, int64_t* rows, int64_t* src) {
+  const int64_t bags = features * batch;
+  if (offsets[0] != 0 || offsets[bags] != n) return -3;
+  for (int64_t b = 0; b < bags; ++b)
+    if (offsets[b] > offsets[b + 1]) return -3;
+#pragma omp parallel
+  {
+    int64_t b0, b1;
+    thread_share(bags, &b0, &b1);
+    for (int64_t bag = b0; bag < b1; ++bag) {
+      const int64_t t = bag / batch, sample = bag - t * batch;
+      const int64_t base = row_base[t], start = sample * grad_stride + t * d;
+      for (int64_t i = offsets[bag]; i < offsets[bag + 1]; ++i) {
+        rows[i] = base + indices[i];
+        src[i] = start;
+      }
+    }
+  }
+  return 0;
+}
+
+/*
  * The same tables' pooled lookup (forward): out[b, t*d : (t+1)*d] = sum over the ids of bag
  * (t, b) of c * weights[row_base[t] + id], c = the id's per-sample weight (or 1), divided by the
  * bag's length for mean pooling; an empty bag gives zeros. Bags are feature-major (offsets has

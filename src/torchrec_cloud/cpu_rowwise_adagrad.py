@@ -159,7 +159,21 @@ def rowwise_adagrad_update(
     if n == 0 or batch == 0:
         return
     offsets = offsets.long()
+    lib = native.library()
+    in_c = lib is not None and grad_output.dtype == torch.float32 and weights.is_contiguous() and momentum.is_contiguous()
+    if in_c and grad_output.stride(1) != 1:
+        grad_output = grad_output.contiguous()
+    if in_c and indice_weights is None and not mean_pooling:  # every id's gradient as it is: one C pass prepares them
+        indices, offsets, row_base = indices.long().contiguous(), offsets.contiguous(), row_base.long().contiguous()
+        rows, src = torch.empty(n, dtype=torch.long), torch.empty(n, dtype=torch.long)
+        if lib.bag_rows(indices.data_ptr(), offsets.data_ptr(), n, row_base.data_ptr(), num_features, batch, dim,
+                        grad_output.stride(0), rows.data_ptr(), src.data_ptr()):  # fmt: skip
+            raise _bad_offsets(num_bags, n)
+        _update_in_c(lib, weights, momentum, rows, src, None, grad_output, lr, eps)
+        return
     lengths = offsets[1:] - offsets[:-1]
+    if int(offsets[0]) != 0 or int(offsets[-1]) != n or bool((lengths < 0).any()):
+        raise _bad_offsets(num_bags, n)
     one_per_bag = n == num_bags and bool((lengths == 1).all())
     bag_ids = torch.arange(num_bags, device=indices.device)
     bag = bag_ids if one_per_bag else torch.repeat_interleave(bag_ids, lengths, output_size=n)
@@ -173,24 +187,29 @@ def rowwise_adagrad_update(
         if mean_pooling:
             scale = scale / lengths.clamp_min(1).to(grad_output.dtype).index_select(0, bag)
 
-    lib = native.library()
-    if lib is not None and grad_output.dtype == torch.float32 and weights.is_contiguous() and momentum.is_contiguous():
-        if grad_output.stride(1) != 1:
-            grad_output = grad_output.contiguous()
+    if in_c:
         # where each id's pooled gradient starts in grad_output's memory (any row stride)
         src = (bag - feature * batch) * grad_output.stride(0) + feature * dim
-        status = lib.rowwise_adagrad_update(
-            weights.data_ptr(), momentum.data_ptr(), weights.shape[0], dim, rows.data_ptr(), src.data_ptr(),
-            scale.data_ptr() if scale is not None else None, grad_output.data_ptr(), n, lr, eps,
-        )  # fmt: skip
-        if status == -2:
-            raise IndexError(f"row-wise Adagrad: an embedding row is outside the {weights.shape[0]} rows of its tables")
-        if status != 0:
-            raise MemoryError("row-wise Adagrad: the CPU kernel could not allocate its buffers")
+        _update_in_c(lib, weights, momentum, rows, src, scale, grad_output, lr, eps)
         return
     # row of grad_output viewed as (B * T, D) that holds each id's pooled gradient
     grad_rows = (bag - feature * batch) * num_features + feature
     _update_with_torch_ops(weights, momentum, rows, grad_rows, scale, grad_output, lr, eps)
+
+
+def _bad_offsets(num_bags: int, n: int) -> ValueError:
+    return ValueError(f"row-wise Adagrad: the {num_bags + 1} bag offsets must run from 0 to the {n} ids without decreasing")
+
+
+def _update_in_c(lib, weights, momentum, rows, src, scale, grad_output, lr: float, eps: float) -> None:
+    status = lib.rowwise_adagrad_update(
+        weights.data_ptr(), momentum.data_ptr(), weights.shape[0], weights.shape[1], rows.data_ptr(), src.data_ptr(),
+        scale.data_ptr() if scale is not None else None, grad_output.data_ptr(), rows.numel(), lr, eps,
+    )  # fmt: skip
+    if status == -2:
+        raise IndexError(f"row-wise Adagrad: an embedding row is outside the {weights.shape[0]} rows of its tables")
+    if status != 0:
+        raise MemoryError("row-wise Adagrad: the CPU kernel could not allocate its buffers")
 
 
 def _update_with_torch_ops(weights, momentum, rows, grad_rows, scale, grad_output, lr: float, eps: float) -> None:

@@ -104,6 +104,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     f32 = ctypes.c_float
     lib.rowwise_adagrad_update.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, f32, f32]
     lib.rowwise_adagrad_update.restype = ctypes.c_int
+    lib.bag_rows.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr]
+    lib.bag_rows.restype = ctypes.c_int
     lib.pooled_lookup.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ctypes.c_int, ptr]
     lib.pooled_lookup.restype = ctypes.c_int
     i32 = ctypes.c_int32
