@@ -226,7 +226,7 @@ def test_cpu_model_feeds_the_over_arch_padded_rows_with_the_same_result(cpu_kern
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("b, i, o", [(33, 16, 13), (5, 7, 3), (64, 24, 32)])
+@pytest.mark.parametrize("b, i, o", [(33, 16, 13), (5, 7, 3), (64, 24, 32), (9, 40, 17)])
 def test_relu_layer_matches_torch(b, i, o, threads):
     """The MLP layer with its bias and ReLU in C gives torch's relu(linear(x)) and its
     gradients, including where the pre-activation is exactly zero (no gradient, as

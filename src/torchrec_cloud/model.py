@@ -194,7 +194,12 @@ class _LinearReLUFn(torch.autograd.Function):
         ):  # fmt: skip
             raise MemoryError(f"relu_bias_backward: no memory for the bias gradient's partial sums ({cols} columns)")
         grad_x = grad @ weight if ctx.needs_input_grad[0] else None
-        grad_weight = grad.t() @ x if ctx.needs_input_grad[1] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            # MKL runs [out, batch] @ [batch, in] with a narrow input (the dense arch's 13
+            # features) ~2x slower than the transposed product: 0.85 against 0.45 ms at
+            # batch 2048 into 512 on 2 threads.
+            grad_weight = (x.t() @ grad).t().contiguous() if x.shape[1] <= 32 else grad.t() @ x
         return grad_x, grad_weight, grad_bias
 
 
