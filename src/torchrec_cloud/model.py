@@ -104,10 +104,14 @@ def aligned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """``F.linear`` with the inner dimension zero-padded to a multiple of ``ALIGN``; with
     ``x_padded``, x already has that many columns (the extra ones zero) and only the weight
     is padded."""
-    pad = aligned_width(weight.shape[1]) - weight.shape[1]
     if not x_padded:
-        x = torch.nn.functional.pad(x, (0, pad))
-    return torch.nn.functional.linear(x, torch.nn.functional.pad(weight, (0, pad)), bias)
+        x = torch.nn.functional.pad(x, (0, aligned_width(weight.shape[1]) - weight.shape[1]))
+    return torch.nn.functional.linear(x, padded_weight(weight), bias)
+
+
+def padded_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` with zero columns up to ``aligned_width`` of its inputs (an autograd op)."""
+    return torch.nn.functional.pad(weight, (0, aligned_width(weight.shape[1]) - weight.shape[1]))
 
 
 class AlignedLinear(torch.nn.Linear):
@@ -129,9 +133,13 @@ class AlignedLinear(torch.nn.Linear):
 
     takes_padded_rows = False
 
+    def takes_padded(self, x: torch.Tensor) -> bool:
+        """Whether x is the interaction's padded rows, which this CPU layer takes as they are."""
+        return self.takes_padded_rows and x.shape[-1] == aligned_width(self.in_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if not x.is_cuda:
-            if self.takes_padded_rows and x.shape[-1] == aligned_width(self.in_features):
+            if self.takes_padded(x):
                 return aligned_linear(x, self.weight, self.bias, x_padded=True)
             return super().forward(x)
         if torch.is_autocast_enabled("cuda"):  # pad the half-width copy autocast makes anyway
@@ -164,9 +172,9 @@ class ReLUPerceptron(Perceptron):
             return super().forward(input)
         weight = linear.weight
         if input.shape[1] != linear.in_features:
-            if not (getattr(linear, "takes_padded_rows", False) and input.shape[1] == aligned_width(linear.in_features)):
+            if not (isinstance(linear, AlignedLinear) and linear.takes_padded(input)):
                 return super().forward(input)  # nn.Linear's shape error
-            weight = torch.nn.functional.pad(weight, (0, input.shape[1] - linear.in_features))
+            weight = padded_weight(weight)
         return _LinearReLUFn.apply(input, weight, linear.bias)
 
 

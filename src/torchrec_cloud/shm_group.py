@@ -314,10 +314,10 @@ class SharedMemoryProcessGroup(dist.ProcessGroup):
 
     def _issue(self, pieces: list, finish: Callable[[list[np.ndarray]], None],
                outputs: list[torch.Tensor], now: bool = False, divisor: int = 1) -> _Work:  # fmt: skip
-        """Write pieces (bytes, or tensors divided by divisor) to this op's slot and publish it: one piece per
-        destination rank, or a single piece that every rank reads. Each piece starts on a
-        64-byte boundary, so a receiver can view it as a tensor of its dtype. With now,
-        complete it before returning."""
+        """Write pieces (bytes, or tensors divided by divisor) to this op's slot and publish it:
+        one piece per destination rank, or a single piece that every rank reads. Each piece
+        starts on a 64-byte boundary, so a receiver can view it as a tensor of its dtype. With
+        now, complete it before returning."""
         if self._failure is not None:
             raise SharedMemoryError(f"an earlier shared-memory collective failed: {self._failure}")
         self._k += 1
