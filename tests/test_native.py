@@ -156,6 +156,26 @@ def test_sparse_first_forward_equals_torchrec_forward(interaction):
         torch.testing.assert_close(a, c)
 
 
+def _tiny_cpu_model(over_arch_layer_sizes: str, b: int = 6):
+    """A built CPU model (26 tables of 40 rows x dim 8, dense arch 16,8), its tables drawn from
+    a normal distribution, a batch of b samples for it, and its trainable parameters."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from torchrec_cloud.config import parse_job_config
+
+    cfg = parse_job_config(["--num_embeddings", "40", "--embedding_dim", "8", "--dense_arch_layer_sizes", "16,8",
+                            "--over_arch_layer_sizes", over_arch_layer_sizes])  # fmt: skip
+    m = model.build_model(cfg.model, dense_device=torch.device("cpu"))
+    m.model.sparse_arch.embedding_bag_collection.to_empty(device="cpu")
+    for p in m.model.sparse_arch.embedding_bag_collection.parameters():
+        torch.nn.init.normal_(p)
+    names = m.model.sparse_arch.sparse_feature_names
+    kjt = KeyedJaggedTensor.from_lengths_sync(names, torch.randint(0, 40, (len(names) * b,)),
+                                              torch.ones(len(names) * b, dtype=torch.long))  # fmt: skip
+    dense = torch.randn(b, cfg.model.num_dense_features)
+    return m, dense, kjt, [p for p in m.model.parameters() if p.requires_grad]
+
+
 @pytest.mark.parametrize("b, f, d, pad_to, padded", [(33, 26, 64, 8, 416), (7, 3, 5, 16, 16), (4, 2, 4, 8, 8)])
 def test_padded_rows_hold_the_same_values_and_the_pad_takes_no_gradient(b, f, d, pad_to, padded):
     """With pad_to, each output row of the C kernel is followed by zeros up to the padded
@@ -183,29 +203,15 @@ def test_cpu_model_feeds_the_over_arch_padded_rows_with_the_same_result(cpu_kern
     a multiple of 8, which it takes with a padded weight (on torch ops, the rows as they are):
     logits and every parameter's gradient equal those of the unpadded layer, and its
     parameters keep their shapes."""
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    from torchrec_cloud.config import parse_job_config
-
     torch.manual_seed(6)
-    cfg = parse_job_config(["--num_embeddings", "40", "--embedding_dim", "8", "--dense_arch_layer_sizes", "16,8",
-                            "--over_arch_layer_sizes", "16,1"])  # fmt: skip
-    m = model.build_model(cfg.model, dense_device=torch.device("cpu"))
-    m.model.sparse_arch.embedding_bag_collection.to_empty(device="cpu")
-    for p in m.model.sparse_arch.embedding_bag_collection.parameters():
-        torch.nn.init.normal_(p)
+    m, dense, kjt, params = _tiny_cpu_model("16,1")
+    b = dense.shape[0]
     first_over = next(x for x in m.model.over_arch.modules() if isinstance(x, torch.nn.Linear))
     width = 8 + 27 * 26 // 2  # 359
     assert type(first_over) is model.AlignedLinear and first_over.weight.shape == (16, width)
     assert m.model.inter_arch.pad_to == 8
     seen = []  # what the layer (its Perceptron: linear and ReLU) is handed
     m.model.over_arch.model[0]._mlp[0].register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape[1]))
-    names = m.model.sparse_arch.sparse_feature_names
-    b = 6
-    kjt = KeyedJaggedTensor.from_lengths_sync(names, torch.randint(0, 40, (len(names) * b,)),
-                                              torch.ones(len(names) * b, dtype=torch.long))  # fmt: skip
-    dense = torch.randn(b, cfg.model.num_dense_features)
-    params = [p for p in m.model.parameters() if p.requires_grad]
     padded = m.model(dense, kjt)
     g_padded = torch.autograd.grad(padded.sum(), params)
     m.model.inter_arch.pad_to = 1
@@ -266,25 +272,11 @@ def test_cpu_model_layers_use_the_c_relu_with_the_same_result(cpu_kernel_path):
     (with the C kernels), and the logits and every parameter's gradient equal TorchRec's
     layers'."""
     from torchrec.modules.mlp import Perceptron
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    from torchrec_cloud.config import parse_job_config
 
     torch.manual_seed(8)
-    cfg = parse_job_config(["--num_embeddings", "40", "--embedding_dim", "8", "--dense_arch_layer_sizes", "16,8",
-                            "--over_arch_layer_sizes", "16,8,1"])  # fmt: skip
-    m = model.build_model(cfg.model, dense_device=torch.device("cpu"))
-    m.model.sparse_arch.embedding_bag_collection.to_empty(device="cpu")
-    for p in m.model.sparse_arch.embedding_bag_collection.parameters():
-        torch.nn.init.normal_(p)
+    m, dense, kjt, params = _tiny_cpu_model("16,8,1")
     layers = [x for x in m.model.modules() if isinstance(x, Perceptron)]
     assert len(layers) == 4 and all(type(x) is model.ReLUPerceptron for x in layers)
-    names = m.model.sparse_arch.sparse_feature_names
-    b = 6
-    kjt = KeyedJaggedTensor.from_lengths_sync(names, torch.randint(0, 40, (len(names) * b,)),
-                                              torch.ones(len(names) * b, dtype=torch.long))  # fmt: skip
-    dense = torch.randn(b, cfg.model.num_dense_features)
-    params = [p for p in m.model.parameters() if p.requires_grad]
     kinds = []
     for layer in layers:
         layer.register_forward_hook(lambda mod, args, out: kinds.append(type(out.grad_fn).__name__))
