@@ -5,7 +5,8 @@
 # the aws profile, apply it with kubectl, and follow the logs.
 #
 #   IMAGE=111122223333.dkr.ecr.us-west-2.amazonaws.com/torchrec-cloud:0.1.0 bash aws/train_dlrm_aws.sh
-#   NODES=4 LAUNCHER=pytorchjob SPOT=1 bash aws/train_dlrm_aws.sh -- --batch_size 4096
+#   NODES=4 LAUNCHER=pytorchjob SPOT=1 CHECKPOINT_URL=s3://your-criteo-bucket/checkpoints \
+#       bash aws/train_dlrm_aws.sh -- --batch_size 4096
 #   DATA_URL=/fsx/criteo CHECKPOINT_URL=s3://your-criteo-bucket/checkpoints bash aws/train_dlrm_aws.sh
 #   DRY_RUN=1 bash aws/train_dlrm_aws.sh     # print what would be applied
 #

@@ -5,7 +5,8 @@
 # the azure profile, apply it with kubectl, and follow the logs.
 #
 #   IMAGE=torchrecacr.azurecr.io/torchrec-cloud:0.1.0 bash azure/train_dlrm_azure.sh
-#   NODES=4 LAUNCHER=pytorchjob SPOT=1 bash azure/train_dlrm_azure.sh -- --batch_size 4096
+#   NODES=4 LAUNCHER=pytorchjob SPOT=1 CHECKPOINT_URL=az://criteo-data/checkpoints \
+#       bash azure/train_dlrm_azure.sh -- --batch_size 4096
 #   DATA_URL=/mnt/netapp/criteo CHECKPOINT_URL=az://criteo-data/checkpoints bash azure/train_dlrm_azure.sh
 #   DRY_RUN=1 bash azure/train_dlrm_azure.sh     # print what would be applied
 #

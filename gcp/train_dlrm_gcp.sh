@@ -5,7 +5,8 @@
 # the gcp profile, apply it with kubectl, and follow the logs.
 #
 #   IMAGE=us-central1-docker.pkg.dev/your-project-id/torchrec/torchrec-cloud:0.1.0 bash gcp/train_dlrm_gcp.sh
-#   NODES=4 LAUNCHER=pytorchjob SPOT=1 bash gcp/train_dlrm_gcp.sh -- --batch_size 4096
+#   NODES=4 LAUNCHER=pytorchjob SPOT=1 CHECKPOINT_URL=gs://your-criteo-bucket/checkpoints \
+#       bash gcp/train_dlrm_gcp.sh -- --batch_size 4096
 #   DATA_URL=/mnt/filestore/criteo CHECKPOINT_URL=gs://your-criteo-bucket/checkpoints bash gcp/train_dlrm_gcp.sh
 #   DRY_RUN=1 bash gcp/train_dlrm_gcp.sh     # print what would be applied
 #

@@ -29,13 +29,17 @@ def env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
     return {**env_for_subprocess(), **(extra or {})}
 
 
-def train_cmd(nproc: int, out: Path, *flags: str, max_restarts: int = 0) -> list[str]:
-    """``torchrec-cloud train`` with the tiny model: plain python for 1, torchrun for more."""
+LAUNCH = [sys.executable, "-m", "torchrec_cloud", "launch"]
+
+
+def train_cmd(nproc: int, out: Path, *flags: str, max_restarts: int = 0, launcher: list[str] = TORCHRUN) -> list[str]:
+    """``torchrec-cloud train`` with the tiny model: plain python for 1, ``launcher`` (torchrun,
+    or ``LAUNCH``, torchrec-cloud's) for more."""
     args = ["-m", "torchrec_cloud", "train", *TINY, "--output_dir", str(out), *flags]
     if nproc == 1:
         return [sys.executable, *args]
     return [
-        *TORCHRUN, f"--nproc_per_node={nproc}",
+        *launcher, f"--nproc_per_node={nproc}",
         "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
         f"--max_restarts={max_restarts}", "--monitor_interval=0.5", *args,
     ]  # fmt: skip

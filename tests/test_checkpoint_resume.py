@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint_runs import check, children, last, metrics, run, start, train_cmd, wait_for
+from checkpoint_runs import LAUNCH, check, children, last, metrics, run, start, train_cmd, wait_for
 from torchrec_cloud import checkpoint
+from torchrec_cloud.launch import EXIT_PREEMPTED
 
 EPOCHS = 3  # 60 steps of the tiny model
 STEPS = EPOCHS * 20
@@ -61,7 +62,7 @@ def worker_pids(launcher: int) -> dict[int, int]:
 
 def test_sigterm_on_one_rank_stops_all_saves_and_resumes_exactly(reference, tmp_path):
     out = tmp_path / "run"
-    cmd = train_cmd(2, out, *COMMON, "--checkpoint_path", str(out / "ckpt"))
+    cmd = train_cmd(2, out, *COMMON, "--checkpoint_path", str(out / "ckpt"), launcher=LAUNCH)
     proc = start(cmd)
     wait_for(lambda: any(r.get("event") == "train" and r["step"] >= 10 for r in metrics(out)), proc, 300, "step 10")
     # Only rank 1 is told; the ranks agree through their per-step all-reduce.
@@ -70,7 +71,10 @@ def test_sigterm_on_one_rank_stops_all_saves_and_resumes_exactly(reference, tmp_
     os.kill(workers[1], signal.SIGTERM)
     output = proc.communicate(timeout=120)[0]
     stopped_after = time.monotonic() - signalled
-    assert proc.returncode == 0, f"every worker must exit 0 after SIGTERM:\n{output[-4000:]}"
+    # Not finished: the launcher must not exit 0, and says why in one line.
+    assert proc.returncode == EXIT_PREEMPTED, f"exit {proc.returncode} after SIGTERM:\n{output[-4000:]}"
+    assert f"torchrec-cloud launch: the run stopped for a preemption (checkpoint saved where one is configured); exit {EXIT_PREEMPTED}" in output
+    assert "Traceback" not in output, output[-4000:]
     assert stopped_after < 30, f"took {stopped_after:.1f}s to stop (Kubernetes' default grace period is 30s)"
 
     records = metrics(out)

@@ -89,7 +89,8 @@ def test_render_command_line_prints_multi_document_yaml():
     job = docs[3]
     assert job["spec"]["parallelism"] == 3
     assert job["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.example/t:1"
-    assert "--batch_size 2048" in job["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[-2:] == ["--batch_size", "2048"]
 
 
 def test_render_cli_writes_files(tmp_path, cli):
@@ -122,9 +123,56 @@ def test_submit_dry_run_prints_what_would_be_applied(cli):
 
 
 def test_submit_without_kubectl_says_so(cli):
-    done = cli("submit", "--target", "kubernetes", "--nodes", "2", "--kubectl", "no-such-kubectl")
+    done = cli("submit", "--target", "kubernetes", "--nodes", "2", "--image", "registry.example/t:1",
+               "--kubectl", "no-such-kubectl")
     assert done.returncode == 1
     assert "'no-such-kubectl' not found on PATH" in done.stderr
+
+
+def test_submit_refuses_placeholders_one_line_each(cli):
+    done = cli("submit", "--target", "kubernetes", "--cloud", "aws", "--nodes", "2", "--kubectl", "no-such-kubectl")
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 3 and all(line.startswith("torchrec-cloud submit: error: ") for line in lines), lines
+    image, identity, storage = lines
+    assert "--image torchrec-cloud:0.1.0 names no registry" in image and "pass --image REGISTRY/" in image
+    assert "111122223333" in identity and "pass --identity" in identity
+    assert "fsx-pvc" in storage and "--storage_claim NAME" in storage and "--no-storage" in storage
+    # The example account's registry is refused too, naming the example value.
+    done = cli("submit", "--target", "kubernetes", "--cloud", "aws", "--nodes", "2", "--no-storage",
+               "--image", "111122223333.dkr.ecr.us-west-2.amazonaws.com/torchrec-cloud:0.1.0",
+               "--identity", "arn:aws:iam::444455556666:role/train", "--kubectl", "no-such-kubectl")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "--image 111122223333.dkr.ecr" in done.stderr and "example value 111122223333" in done.stderr
+    # Real values pass the checks and reach kubectl.
+    done = cli("submit", "--target", "kubernetes", "--cloud", "aws", "--nodes", "2", "--storage_claim", "fsx",
+               "--image", "444455556666.dkr.ecr.us-west-2.amazonaws.com/torchrec-cloud:0.1.0",
+               "--identity", "arn:aws:iam::444455556666:role/train", "--kubectl", "no-such-kubectl")
+    assert done.returncode == 1 and "not found on PATH" in done.stderr, done.stderr
+    # --dry-run shows the bundle as it is, placeholders included.
+    assert cli("submit", "--target", "kubernetes", "--cloud", "aws", "--nodes", "2", "--dry-run").returncode == 0
+
+
+def test_spot_without_a_checkpoint_destination_is_refused(cli):
+    done = cli("render", "--cloud", "gcp", "--launcher", "job", "--nodes", "2", "--spot")
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert "--checkpoint_url" in line and "--spot" in line
+    assert cli("render", "--cloud", "gcp", "--nodes", "2", "--spot", "--checkpoint_url", "gs://b/c").returncode == 0
+    assert cli("render", "--cloud", "gcp", "--nodes", "2", "--spot", "--", "--checkpoint_path", "/ckpt").returncode == 0
+
+
+def test_cluster_wide_collector_config_and_rdma_only_on_request(cli):
+    kinds = lambda done: [d["kind"] for d in load_documents(done.stdout)]  # noqa: E731
+    plain = cli("render", "--cloud", "aws", "--nodes", "2")
+    assert "ConfigMap" not in kinds(plain) and "--cluster_monitoring" in plain.stdout  # the job says how
+    assert kinds(cli("render", "--cloud", "aws", "--nodes", "2", "--cluster_monitoring")).count("ConfigMap") == 2
+
+    def limits(done):
+        return workload(load_documents(done.stdout))["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+
+    assert "rdma/rdma_shared_device_a" not in limits(cli("render", "--cloud", "azure", "--nodes", "2"))
+    assert limits(cli("render", "--cloud", "azure", "--nodes", "2", "--rdma"))["rdma/rdma_shared_device_a"] == 1
 
 
 def test_launch_scripts_dry_run(tmp_path):
@@ -140,15 +188,16 @@ def test_launch_scripts_dry_run(tmp_path):
     shim.write_text(f"#!/bin/sh\nexec {sys.executable} -m torchrec_cloud \"$@\"\n")
     shim.chmod(0o755)
     env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT / "src"),
-           "DRY_RUN": "1", "NODES": "3", "LAUNCHER": "trainjob", "SPOT": "1"}
+           "DRY_RUN": "1", "NODES": "3", "LAUNCHER": "trainjob", "SPOT": "1", "CHECKPOINT_URL": "s3://b/ckpt"}
     done = subprocess.run(["bash", str(script), "--", "--batch_size", "1024"], capture_output=True, text=True,
                           env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     tj = workload(load_documents(done.stdout))
     assert tj["kind"] == "TrainJob" and tj["spec"]["trainer"]["numNodes"] == 3
     assert tj["spec"]["trainer"]["args"][-2:] == ["--batch_size", "1024"]
-    node_selector = tj["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0][
-        "template"]["spec"]["template"]["spec"]["nodeSelector"]
+    runtime = next(d for d in load_documents(done.stdout) if d["kind"] == "TrainingRuntime")
+    node_selector = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"][
+        "spec"]["nodeSelector"]
     assert load_profile(cloud).spot["node_selector"].items() <= node_selector.items()
 
 
@@ -200,13 +249,15 @@ def test_azure_ml_job_built_offline():
     assert d["environment"]["image"] == "acr.example/torchrec-cloud:1"
     assert d["compute"].endswith("gpu-cluster")
     cmd = d["command"]
-    assert cmd.startswith("torchrun --nnodes=3 --nproc_per_node=8 --node_rank=$NODE_RANK --master_addr=$MASTER_ADDR")
+    assert cmd.startswith("torchrec-cloud launch --nnodes=3 --nproc_per_node=8 --rdzv_backend=c10d "
+                          "--rdzv_endpoint=$MASTER_ADDR:$MASTER_PORT")
     assert "-m torchrec_cloud train --preset quickstart --output_dir ./outputs/" in cmd and cmd.endswith("--batch_size 2048")
     assert d["environment_variables"]["NCCL_IB_HCA"] == "mlx5"
 
 
 def test_vertex_custom_job_built_offline():
-    spec = DeploySpec(cloud="gcp", nodes=3, gpus_per_node=8, image="us-docker.pkg.dev/p/r/t:1", spot=True)
+    spec = DeploySpec(cloud="gcp", nodes=3, gpus_per_node=8, image="us-docker.pkg.dev/p/r/t:1", spot=True,
+                      checkpoint_url="gs://bucket/ckpt")
     job = vertex.build_custom_job(spec, staging_bucket="gs://bucket")
     d = json.loads(vertex.dump_job(job))
     pools = d["jobSpec"]["workerPoolSpecs"]
@@ -217,7 +268,8 @@ def test_vertex_custom_job_built_offline():
         assert p["containerSpec"]["imageUri"] == "us-docker.pkg.dev/p/r/t:1"
         bash, flag, script = p["containerSpec"]["command"]
         assert (bash, flag) == ("/bin/bash", "-c")
-        assert "torchrun --nnodes=3 --nproc_per_node=8" in script and "--master_addr=\"$MASTER_ADDR\"" in script
+        assert "torchrec-cloud launch --nnodes=3 --nproc_per_node=8 --rdzv_backend=c10d" in script
+        assert '--rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT"' in script
         assert "--output_dir /gcs/bucket/runs/torchrec-dlrm" in script
     assert d["jobSpec"]["scheduling"]["strategy"] == "SPOT"
     assert d["jobSpec"]["baseOutputDirectory"]["outputUriPrefix"] == "gs://bucket/torchrec-dlrm"
@@ -274,7 +326,8 @@ def test_torchx_component_dry_run(cloud):
     app = build_app(DeploySpec(cloud=cloud, nodes=3, gpus_per_node=8))
     (role,) = app.roles
     assert role.entrypoint == "bash" and role.num_replicas == 3 and role.resource.gpu == 8
+    assert role.args[1].startswith("torchrec-cloud launch ")
     assert "--rdzv_endpoint=$${${rank0_env}:=localhost}:29500" in role.args[1]
-    assert role.env == load_profile(cloud).env
+    assert role.env == {**load_profile(cloud).env, "TORCHREC_CLOUD_NODE_RANK": "${replica_id}"}
     storage = load_profile(cloud).storage
     assert [(m.src, m.dst_path) for m in role.mounts] == [(storage["claim_name"], storage["mount_path"])]

@@ -1,9 +1,9 @@
 """Rendered Kubernetes manifests: valid against the real schemas, wired correctly.
 
 Core kinds are checked with kubernetes-validate (strict: unknown fields fail) for the
-oldest and newest Kubernetes we target; PyTorchJob and TrainJob with jsonschema against
-the openAPIV3Schema of their CRDs in shared/schemas/, the collectors' PodMonitoring and
-PodMonitor against theirs in tests/schemas/, made strict the same way.
+oldest and newest Kubernetes we target; PyTorchJob, TrainingRuntime, TrainJob and the
+collectors' PodMonitoring and PodMonitor with jsonschema against the openAPIV3Schema of
+their CRDs in tests/schemas/, made strict the same way.
 """
 
 from __future__ import annotations
@@ -26,27 +26,25 @@ from torchrec_cloud.deploy.profiles import load_profile, profile_names
 from torchrec_cloud.deploy.spec import DeploySpec, TrainFlagsError
 
 ROOT = Path(__file__).resolve().parents[1]
-SCHEMAS = ROOT.parent / "shared" / "schemas"
-if not SCHEMAS.is_dir():  # a worktree beside /work/shared
-    SCHEMAS = Path("/work/shared/schemas")
+SCHEMAS = ROOT / "tests" / "schemas"
 K8S_VERSIONS = ["1.31", kubernetes_validate.utils.latest_version()]
 CLOUDS = profile_names()
-LOCAL_SCHEMAS = ROOT / "tests" / "schemas"
 CRD_FILES = {
     ("kubeflow.org/v1", "PyTorchJob"): SCHEMAS / "kubeflow.org_pytorchjobs.yaml",
     ("trainer.kubeflow.org/v1alpha1", "TrainJob"): SCHEMAS / "trainer.kubeflow.org_trainjobs.yaml",
-    ("monitoring.googleapis.com/v1", "PodMonitoring"): LOCAL_SCHEMAS / "monitoring.googleapis.com_podmonitorings.yaml",
-    ("azmonitoring.coreos.com/v1", "PodMonitor"): LOCAL_SCHEMAS / "azmonitoring.coreos.com_podmonitors.yaml",
+    ("trainer.kubeflow.org/v1alpha1", "TrainingRuntime"): SCHEMAS / "trainer.kubeflow.org_trainingruntimes.yaml",
+    ("monitoring.googleapis.com/v1", "PodMonitoring"): SCHEMAS / "monitoring.googleapis.com_podmonitorings.yaml",
+    ("azmonitoring.coreos.com/v1", "PodMonitor"): SCHEMAS / "azmonitoring.coreos.com_podmonitors.yaml",
 }
-# What each cloud's collector needs beside the pod metadata (monitoring_profiles.yaml.j2).
-COLLECTOR_KINDS = {"aws": ["ConfigMap", "ConfigMap"], "azure": ["PodMonitor"], "gcp": ["PodMonitoring"], "generic": []}
+# What each cloud's collector needs beside the pod metadata (monitoring_profiles.yaml.j2);
+# EKS's CloudWatch ConfigMaps configure the agent for the whole cluster: only on request.
+COLLECTOR_KINDS = {"aws": [], "azure": ["PodMonitor"], "gcp": ["PodMonitoring"], "generic": []}
+LAUNCHER_KINDS = {"job": ["Service", "Job"], "pytorchjob": ["PyTorchJob"], "trainjob": ["TrainingRuntime", "TrainJob"]}
 
 
-def collector_kinds(cloud: str, launcher: str) -> list[str]:
-    # A TrainJob cannot declare container ports; the CloudWatch agent's Kubernetes discovery
-    # and the AKS PodMonitor find ranks by declared port only, so nothing is rendered for them.
-    if launcher == "trainjob" and cloud in ("aws", "azure"):
-        return []
+def collector_kinds(cloud: str, launcher: str, cluster_monitoring: bool = False) -> list[str]:
+    if cloud == "aws" and cluster_monitoring:
+        return ["ConfigMap", "ConfigMap"]
     return COLLECTOR_KINDS[cloud]
 
 
@@ -75,7 +73,6 @@ def _strict(schema):
 
 @lru_cache(maxsize=None)
 def crd_validator(api_version: str, kind: str):
-    assert SCHEMAS.is_dir(), f"CRD schemas not found at {SCHEMAS} (shared/schemas beside the repository)"
     crd = yaml.safe_load(CRD_FILES[(api_version, kind)].read_text())
     version = api_version.split("/")[1]
     (v,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
@@ -145,14 +142,15 @@ def by_kind(docs: list[dict], kind: str) -> dict:
 @pytest.mark.parametrize("launcher", list(LAUNCHER_TEMPLATES))
 @pytest.mark.parametrize("spot", [False, True])
 def test_every_cloud_and_launcher_renders_valid_objects(cloud, launcher, spot):
-    docs = render(cloud=cloud, launcher=launcher, nodes=3, gpus_per_node=8, spot=spot,
+    ckpt = "s3://bucket/ckpt" if spot else None
+    docs = render(cloud=cloud, launcher=launcher, nodes=3, gpus_per_node=8, spot=spot, checkpoint_url=ckpt,
                   train_args=["--batch_size", "4096"])
     kinds = [d["kind"] for d in docs]
-    expected = {"job": ["Service", "Job"], "pytorchjob": ["PyTorchJob"], "trainjob": ["TrainJob"]}[launcher]
-    assert kinds == ["Namespace", "ServiceAccount", *expected, *collector_kinds(cloud, launcher)]
+    assert kinds == ["Namespace", "ServiceAccount", *LAUNCHER_KINDS[launcher], *collector_kinds(cloud, launcher)]
     for doc in docs:
         validate(doc)
-    text = render_bundle(DeploySpec(cloud=cloud, launcher=launcher, nodes=3, gpus_per_node=8, spot=spot))
+    text = render_bundle(DeploySpec(cloud=cloud, launcher=launcher, nodes=3, gpus_per_node=8, spot=spot,
+                                    checkpoint_url=ckpt))
     profile = load_profile(cloud)
     for key, value in profile.env.items():
         assert key in text and str(value) in text
@@ -180,7 +178,15 @@ def test_storage_manifests_are_valid(cloud):
     assert claims == [pvc["metadata"]["name"]]
 
 
+def _flags(args: list[str]) -> dict[str, str]:
+    """``--flag=value`` words of a launch command before ``-m``."""
+    head = args[: args.index("-m")]
+    return dict(a.split("=", 1) for a in head if a.startswith("--") and "=" in a)
+
+
 def test_indexed_job_wiring():
+    from torchrec_cloud.launch import EXIT_CONFIG, EXIT_PREEMPTED
+
     docs = render(cloud="aws", launcher="job", nodes=4, gpus_per_node=8, name="dlrm-a", namespace="team",
                   train_args=["--batch_size", "4096"])
     svc, job = by_kind(docs, "Service"), by_kind(docs, "Job")
@@ -194,29 +200,34 @@ def test_indexed_job_wiring():
     assert job["spec"]["completionMode"] == "Indexed"
     assert job["spec"]["completions"] == job["spec"]["parallelism"] == 4
     (c,) = spec["containers"]
-    script = c["args"][0]
-    words = shlex.split(script.split("exec ", 1)[1].replace("\\\n", " "))
-    assert words[0] == "torchrun"
-    flags = dict(w.split("=", 1) for w in words if w.startswith("--") and "=" in w)
-    # Pod 0's stable name: $(job-name)-0.$(subdomain).
+    assert c["command"] == ["torchrec-cloud", "launch"]
+    flags = _flags(c["args"])
+    # Pod 0's stable name: $(job-name)-0.$(subdomain); c10d, which re-forms the group after a restart.
     assert flags["--rdzv_endpoint"] == f"dlrm-a-0.{svc['metadata']['name']}:{svc['spec']['ports'][0]['port']}"
-    assert flags["--rdzv_backend"] == "c10d"
+    assert flags["--rdzv_backend"] == "c10d" and flags["--rdzv_id"] == "dlrm-a"
+    assert flags["--rdzv_conf"] == "join_timeout=1800,read_timeout=1800"
     assert flags["--nnodes"] == "4" and flags["--nproc_per_node"] == "8"
-    assert words[words.index("-m") + 1 : words.index("-m") + 3] == ["torchrec_cloud", "train"]
-    assert "--batch_size" in words and "4096" in words
-    # Node index from the Job controller's annotation; pod 0 hosts the rendezvous store.
+    args = c["args"]
+    assert args[args.index("-m") + 1 : args.index("-m") + 3] == ["torchrec_cloud", "train"]
+    assert "--batch_size" in args and "4096" in args
+    # Node index from the Job controller's annotation: the launcher makes pod 0 the store's host.
     env = {e["name"]: e for e in c["env"]}
     assert env["JOB_COMPLETION_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == (
         "metadata.annotations['batch.kubernetes.io/job-completion-index']"
     )
-    assert 'if [ "${JOB_COMPLETION_INDEX}" = "0" ]; then is_host=1' in script
-    assert "--rdzv_conf=is_host=${is_host},join_timeout=1800,read_timeout=1800" in script
     # Checkpoint on SIGTERM: torchrun gives workers less time than the kubelet gives the pod.
     grace = spec["terminationGracePeriodSeconds"]
     assert grace >= 300 and 0 < int(flags["--shutdown_timeout"]) < grace
     assert spec["restartPolicy"] == "Never"
-    (rule,) = job["spec"]["podFailurePolicy"]["rules"]
-    assert rule == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    # Preemptions (the disruption condition, or the launcher's own exit code) are replaced
+    # without counting; a refused flag fails the Job; crashes are counted per node.
+    assert job["spec"]["podFailurePolicy"]["rules"] == [
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        {"action": "Ignore", "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [EXIT_PREEMPTED]}},
+        {"action": "FailJob", "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [EXIT_CONFIG]}},
+    ]
+    assert job["spec"]["backoffLimitPerIndex"] == 3 and job["spec"]["maxFailedIndexes"] == 0
+    assert "backoffLimit" not in job["spec"]
     # /dev/shm is memory-backed and sized; one pod per node.
     shm = next(v for v in spec["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
@@ -228,15 +239,23 @@ def test_indexed_job_wiring():
     assert spec["securityContext"]["runAsNonRoot"] is True
 
 
-def test_pytorchjob_runs_torchrun_in_container_named_pytorch():
+def test_pytorchjob_launches_in_container_named_pytorch():
     pj = by_kind(render(cloud="gcp", launcher="pytorchjob", nodes=2, gpus_per_node=8), "PyTorchJob")
     worker = pj["spec"]["pytorchReplicaSpecs"]["Worker"]
     assert set(pj["spec"]["pytorchReplicaSpecs"]) == {"Worker"}  # elastic: workers only
     assert worker["replicas"] == 2
+    # Exit codes >= 128 (a preemption's, a kill's) recreate the pod without counting;
+    # in-place restarts (OnFailure) would count every preemption against backoffLimit.
+    assert worker["restartPolicy"] == "ExitCode"
+    assert pj["spec"]["runPolicy"]["cleanPodPolicy"] == "Running"
     (c,) = worker["template"]["spec"]["containers"]
-    assert c["name"] == "pytorch" and c["command"] == ["torchrun"]
+    assert c["name"] == "pytorch" and c["command"] == ["torchrec-cloud", "launch"]
     assert c["args"][c["args"].index("-m") + 1 :][:2] == ["torchrec_cloud", "train"]
     assert not any(a.startswith(("--rdzv", "--nnodes", "--master")) for a in c["args"])  # operator's job
+    env = {e["name"]: e for e in c["env"]}
+    assert env["TORCHREC_CLOUD_NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.labels['training.kubeflow.org/replica-index']"
+    )
     ep = pj["spec"]["elasticPolicy"]
     assert ep["rdzvBackend"] == "c10d" and ep["minReplicas"] == ep["maxReplicas"] == 2
     assert pj["spec"]["nprocPerNode"] == "8"
@@ -244,28 +263,58 @@ def test_pytorchjob_runs_torchrun_in_container_named_pytorch():
 
 
 def _runtime_container_name() -> str:
-    # The runtime is Helm-templated: read it as text. Its one container is the trainer.
+    # Kubeflow's own runtime is Helm-templated: read it as text. Its one container is the trainer.
     text = (SCHEMAS / "torch-distributed-runtime.yaml").read_text()
     assert re.search(r"^\s+- name: node\n\s+template:", text, re.M), "replicated job 'node' not found"
     return re.search(r"containers:\n\s+- name: (\S+)", text).group(1)
 
 
-def test_trainjob_references_torch_distributed_runtime():
-    tj = by_kind(render(cloud="azure", launcher="trainjob", nodes=3, gpus_per_node=8), "TrainJob")
-    assert tj["spec"]["runtimeRef"]["name"] == "torch-distributed"
+def test_trainjob_runs_on_a_runtime_of_its_own_that_restarts_it_after_a_preemption():
+    from torchrec_cloud.launch import EXIT_CONFIG, EXIT_PREEMPTED
+
+    docs = render(cloud="azure", launcher="trainjob", nodes=3, gpus_per_node=8)
+    tj, rt = by_kind(docs, "TrainJob"), by_kind(docs, "TrainingRuntime")
+    assert tj["spec"]["runtimeRef"] == {"apiGroup": "trainer.kubeflow.org", "kind": "TrainingRuntime",
+                                        "name": rt["metadata"]["name"]}  # fmt: skip
+    assert rt["metadata"]["namespace"] == tj["metadata"]["namespace"]
+    assert rt["spec"]["mlPolicy"] == {"numNodes": 3, "torch": {}}
     trainer = tj["spec"]["trainer"]
     assert trainer["numNodes"] == 3 and trainer["numProcPerNode"] == 8
-    assert trainer["command"] == ["torchrun"]
-    assert "--rdzv_conf=timeout=1800" in trainer["args"]
+    assert trainer["command"] == ["torchrec-cloud", "launch"]
+    flags = _flags(trainer["args"])
+    # Kubeflow Trainer sets node 0's address for a static rendezvous; c10d meets there instead.
+    assert flags["--rdzv_backend"] == "c10d"
+    assert flags["--rdzv_endpoint"] == "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)"
     assert trainer["args"][trainer["args"].index("-m") + 1 :][:2] == ["torchrec_cloud", "train"]
     assert trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == 8
-    (patch,) = tj["spec"]["runtimePatches"]
-    (rj,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
-    assert rj["name"] == "node"
-    pod = rj["template"]["spec"]["template"]
+    jobset = rt["spec"]["template"]["spec"]
+    (rj,) = jobset["replicatedJobs"]
+    assert rj["name"] == "node" and rj["replicas"] == 1
+    assert rj["template"]["metadata"]["labels"]["trainer.kubeflow.org/trainjob-ancestor-step"] == "trainer"
+    job = rj["template"]["spec"]
+    pod = job["template"]
     assert [c["name"] for c in pod["spec"]["containers"]] == [_runtime_container_name()]
+    assert pod["spec"]["restartPolicy"] == "Never"  # what a podFailurePolicy needs
     assert pod["metadata"]["labels"]["azure.workload.identity/use"] == "true"
     assert pod["spec"]["serviceAccountName"] == "torchrec-trainer"
+    # A preemption fails the Job through its podFailurePolicy, and the JobSet restarts it
+    # without using up maxRestarts; a refused flag fails the JobSet; a crash is counted.
+    assert job["backoffLimit"] == 0
+    actions = [(r["action"], r.get("onExitCodes", {}).get("values"), [c["type"] for c in r.get("onPodConditions", [])])
+               for r in job["podFailurePolicy"]["rules"]]  # fmt: skip
+    assert actions == [("FailJob", None, ["DisruptionTarget"]), ("FailJob", [EXIT_PREEMPTED], []),
+                       ("FailJob", [EXIT_CONFIG], [])]  # fmt: skip
+    policy = jobset["failurePolicy"]
+    preempted, refused = policy["rules"]
+    assert preempted["action"] == "RestartJobSetAndIgnoreMaxRestarts"
+    # The Job controller's own messages for those two rules (pod_failure_policy.go).
+    for message in ("Pod ns/p has condition DisruptionTarget matching FailJob rule at index 0",
+                    f"Container node for pod ns/p failed with exit code {EXIT_PREEMPTED} matching FailJob rule at index 1"):
+        assert any(re.search(p, message) for p in preempted["onJobFailureMessagePatterns"]), message
+    assert not any(re.search(p, f"Container node for pod ns/p failed with exit code {EXIT_CONFIG} matching FailJob "
+                                "rule at index 2") for p in preempted["onJobFailureMessagePatterns"])
+    assert refused["action"] == "FailJobSet" and refused["onJobFailureReasons"] == ["PodFailurePolicy"]
+    assert policy["maxRestarts"] == 3
 
 
 def test_workload_identity_is_an_annotation_not_a_secret():
@@ -325,7 +374,7 @@ def test_cpu_nodes_request_no_gpu():
     job = by_kind(render(cloud="generic", launcher="job", nodes=2, gpus_per_node=0, procs_per_node=2), "Job")
     (c,) = job["spec"]["template"]["spec"]["containers"]
     assert "resources" not in c
-    assert "--nproc_per_node=2" in c["args"][0]
+    assert "--nproc_per_node=2" in c["args"]
 
 
 @pytest.mark.parametrize(
@@ -357,16 +406,15 @@ def _pod_and_trainer(docs: list[dict], launcher: str) -> tuple[dict, list[dict],
     if launcher == "job":
         pod = by_kind(docs, "Job")["spec"]["template"]
         (c,) = pod["spec"]["containers"]
-        words = shlex.split(c["args"][0].split("exec ", 1)[1].replace("\\\n", " "))
-        nproc = int(next(w for w in words if w.startswith("--nproc_per_node=")).split("=", 1)[1])
-        return pod, c.get("ports", []), words[words.index("train") + 1 :], nproc
+        nproc = int(_flags(c["args"])["--nproc_per_node"])
+        return pod, c.get("ports", []), c["args"][c["args"].index("train") + 1 :], nproc
     if launcher == "pytorchjob":
         pj = by_kind(docs, "PyTorchJob")
         pod = pj["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
         (c,) = pod["spec"]["containers"]
         return pod, c.get("ports", []), c["args"][c["args"].index("train") + 1 :], int(pj["spec"]["nprocPerNode"])
     tj = by_kind(docs, "TrainJob")
-    (rj,) = tj["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    (rj,) = by_kind(docs, "TrainingRuntime")["spec"]["template"]["spec"]["replicatedJobs"]
     pod = rj["template"]["spec"]["template"]
     (c,) = pod["spec"]["containers"]
     args = tj["spec"]["trainer"]["args"]
@@ -388,7 +436,8 @@ def test_collectors_scrape_the_ports_the_ranks_listen_on(cloud, launcher, gpus):
     from torchrec_cloud.config import config_from_args
     from torchrec_cloud.deploy.spec import _trainer_parser
 
-    docs = render(cloud=cloud, launcher=launcher, nodes=2, gpus_per_node=gpus, name="dlrm-a", namespace="ml")
+    docs = render(cloud=cloud, launcher=launcher, nodes=2, gpus_per_node=gpus, name="dlrm-a", namespace="ml",
+                  cluster_monitoring=True)
     pod, ports, trainer_args, nproc = _pod_and_trainer(docs, launcher)
     assert nproc == gpus
     assert trainer_args.count("--prometheus_port") == 1 and trainer_args.count("--prometheus_linger") == 1
@@ -401,19 +450,14 @@ def test_collectors_scrape_the_ports_the_ranks_listen_on(cloud, launcher, gpus):
     assert annotations["prometheus.io/port"] == str(listening[0])
     by_name = {p["name"]: p["containerPort"] for p in ports}
     metrics_names = sorted(n for n in by_name if n.startswith("metrics-"))
-    if launcher == "trainjob":
-        # The TrainJob API cannot declare container ports (runtime patches take env, name,
-        # securityContext, volumeMounts only); collectors that take numbers get numbers.
-        assert ports == []
-    else:
-        assert sorted(by_name[n] for n in metrics_names) == listening
-        assert len(set(by_name.values())) == len(by_name)  # no clash with the rendezvous port
+    assert sorted(by_name[n] for n in metrics_names) == listening
+    assert len(set(by_name.values())) == len(by_name)  # no clash with the rendezvous port
 
     def resolve(port) -> int:
         return port if isinstance(port, int) else by_name[port]
 
     collectors = [d for d in docs if d["kind"] in ("PodMonitoring", "PodMonitor", "ConfigMap")]
-    assert [d["kind"] for d in collectors] == collector_kinds(cloud, launcher)
+    assert [d["kind"] for d in collectors] == collector_kinds(cloud, launcher, cluster_monitoring=True)
     for doc in collectors:
         if doc["kind"] in ("PodMonitoring", "PodMonitor"):
             assert doc["metadata"]["namespace"] == "ml"

@@ -93,6 +93,7 @@ def worker_ours(cfg, steps: int, warmup: int, precision: str = "fp32", profile: 
     import torch.distributed as dist
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
+    from torchrec_cloud import comm
     from torchrec_cloud.distributed import build_optimizer, collectives, init_distributed, shard_model
     from torchrec_cloud.model import build_model
     from torchrec_cloud.train import quiet_library_warnings
@@ -130,7 +131,7 @@ def worker_ours(cfg, steps: int, warmup: int, precision: str = "fp32", profile: 
     alongside = not on_gpu and env.world_size == 1
     matmul_before = _matmul_gflops_in_child(torch.get_num_threads()) if alongside else None
     run(warmup)
-    dist.barrier()
+    comm.barrier()
     start = time.perf_counter()
     run(steps)
     seconds = time.perf_counter() - start
@@ -151,12 +152,11 @@ def worker_ours(cfg, steps: int, warmup: int, precision: str = "fp32", profile: 
                         f"{profiled * 1e3:.2f} ms for all {profile_steps} under it\n")  # fmt: skip
                 f.write(_profile_summary(prof) + "\n")
             prof.export_chrome_trace(profile + ".trace.json")
-    rss = torch.tensor([_peak_rss_mb()], device=env.device)  # NCCL reduces only GPU tensors
     matmul_after = _matmul_gflops_in_child(torch.get_num_threads()) if alongside else None
-    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    rss = comm.max_value(_peak_rss_mb())
     result = {
         "samples_per_s": done * cfg.data.batch_size * env.world_size / seconds,
-        "peak_rss_mb": float(rss),
+        "peak_rss_mb": rss,
         "world_size": env.world_size,
         "threads_per_rank": torch.get_num_threads(),
         "device": torch.cuda.get_device_name(env.device) if on_gpu else "cpu",
@@ -173,7 +173,7 @@ def worker_ours(cfg, steps: int, warmup: int, precision: str = "fp32", profile: 
         result["cpu_kernels"] = "native" if native.library() is not None else "torch ops"
     if on_gpu:
         result["peak_gpu_mem_gb"] = torch.cuda.max_memory_allocated(env.device) / 2**30
-    dist.barrier()
+    comm.barrier()
     dist.destroy_process_group()
     return result if env.rank == 0 else {}
 

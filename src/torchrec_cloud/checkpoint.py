@@ -33,7 +33,7 @@ the newest ``--checkpoint_keep`` complete checkpoints are kept.
 
 SIGTERM (what Kubernetes and the clouds send before a spot or preemptible node goes
 away) sets a flag; the loop finishes the step in progress, all ranks agree to stop,
-save, and the process exits 0 (:class:`Preemption`).
+save, and every process exits with ``launch.EXIT_PREEMPTED`` (:class:`Preemption`).
 
 Users look at checkpoints with::
 
@@ -391,26 +391,32 @@ def load_full_state(path: str) -> dict[str, Any]:
 
 
 class Preemption:
-    """SIGTERM -> finish the current step, agree on every rank, save, exit 0.
+    """SIGTERM -> finish the current step, agree on every rank, save, exit EXIT_PREEMPTED.
 
     The handler only sets ``requested``; the loop checks it between batches (together with
     the batch-count agreement, one small all-reduce, see ``train.agreed_batches``) and sets
-    ``stop`` on every rank at the same step. Installed only when checkpoints are on;
-    without them SIGTERM keeps its default meaning.
+    ``stop`` on every rank at the same step. Every rank then saves (where checkpoints are
+    on) and exits with ``launch.EXIT_PREEMPTED``, never 0: the run is not finished, and a
+    controller must start it again to resume (docs/checkpoints.md, "Preemption").
     """
 
-    def __init__(self, enabled: bool) -> None:
-        self.requested = False
-        self.stop = False
+    def __init__(self, checkpoints: bool = True) -> None:
+        self.requested = False  # this process received SIGTERM
+        self.stop = False  # every rank agreed to stop
+        self.checkpoints = checkpoints
         self._previous: Any = None
-        if enabled and threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame) -> None:
         if not self.requested:
+            then = (
+                "saving a checkpoint"
+                if self.checkpoints
+                else "stopping (no --checkpoint_path: nothing is saved, a restart begins at step 0)"
+            )
             print(
-                f"rank {os.environ.get('RANK', '0')}: SIGTERM received; finishing the current step "
-                "and saving a checkpoint",
+                f"rank {os.environ.get('RANK', '0')}: SIGTERM received; finishing the current step and {then}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -434,7 +440,7 @@ def _one_line(text: str, limit: int = 600) -> str:
 def _agree(env, fn: Callable[[], Any], flag: str) -> Any:
     """Run ``fn`` on rank 0 and hand its result, or its error, to every rank, so a bad
     path fails all ranks at start-up instead of leaving some waiting in a collective."""
-    import torch.distributed as dist
+    from torchrec_cloud import comm
 
     box: list[Any] = [None]
     if env.rank == 0:
@@ -446,9 +452,7 @@ def _agree(env, fn: Callable[[], Any], flag: str) -> Any:
             box[0] = ("config", flag, _one_line(str(e)))
         except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks too
             box[0] = ("error", f"{type(e).__name__}: {e}")
-    if env.world_size > 1:
-        dist.broadcast_object_list(box, src=0)
-    result = box[0]
+    result = comm.broadcast_object(box[0], src=0)
     if result[0] == "config":
         raise ConfigError(result[1], result[2])
     if result[0] == "error":
@@ -476,7 +480,7 @@ class Checkpointer:
     """
 
     def __init__(self, cfg: JobConfig, env, sink) -> None:
-        import torch.distributed as dist
+        from torchrec_cloud import comm
 
         self.cfg = cfg
         self.ck = cfg.checkpoint
@@ -494,7 +498,7 @@ class Checkpointer:
         if self.ck.async_checkpoint and self.root is not None:
             # The background save runs its own collectives; on the training group they
             # would interleave with the training thread's in a different order per rank.
-            self._async_group = dist.new_group(backend="gloo")
+            self._async_group = comm.background_group()
 
     @property
     def enabled(self) -> bool:
@@ -513,12 +517,9 @@ class Checkpointer:
             storage.remove(probe)
         except storage.StorageError as e:
             error = _one_line(str(e))
-        errors = [error]
-        if self.env.world_size > 1:
-            import torch.distributed as dist
+        from torchrec_cloud import comm
 
-            errors = [None] * self.env.world_size
-            dist.all_gather_object(errors, error)
+        errors = comm.all_gather_object(error)
         for rank, message in enumerate(errors):
             if message:
                 raise ConfigError(
@@ -604,15 +605,15 @@ class Checkpointer:
         if not self.enabled or position.step == self._last_step:
             return
         self.wait()  # the previous background save commits first (its stall counts the wait)
-        import torch.distributed as dist
         from torch.distributed.checkpoint import async_save, save
+
+        from torchrec_cloud import comm
 
         start = time.perf_counter()
         path = storage.join(self.root, checkpoint_name(position.step))
         if self.env.is_main and storage.exists(path):
             storage.remove(path, recursive=True)  # leftovers of a save that never committed
-        if self.env.world_size > 1:
-            dist.barrier()
+        comm.barrier()
         trainer = {
             "step": position.step,
             "epoch": position.epoch,
@@ -637,8 +638,7 @@ class Checkpointer:
             raise
         except Exception as e:
             raise CheckpointError(f"cannot save checkpoint {path}: {e}") from e
-        if self.env.world_size > 1:
-            dist.barrier()
+        comm.barrier()
         seconds = time.perf_counter() - start
         self._commit(path, trainer, seconds, seconds, reason, is_async=False)
 

@@ -19,6 +19,7 @@ import sys
 from typing import Optional
 
 from torchrec_cloud.config import ConfigError
+from torchrec_cloud.launch import EXIT_CONFIG, end_pod
 
 # Sub-command name -> module, in the order ``--help`` lists them. Only the module of the
 # command being run is imported, so `render` or `report` do not wait for torch to load.
@@ -30,6 +31,8 @@ COMMANDS = {
     "submit": "torchrec_cloud.deploy.submit",
     "data": "torchrec_cloud.criteo",
     "checkpoint": "torchrec_cloud.checkpoint",
+    "launch": "torchrec_cloud.launch",
+    "rehearse": "torchrec_cloud.rehearse",
 }
 
 
@@ -37,7 +40,8 @@ class OneLineParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are a single line (no usage block), exit code 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        end_pod(EXIT_CONFIG)  # under `torchrec-cloud launch`: no restart can fix a flag
+        self.exit(EXIT_CONFIG, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def build_parser(argv: Optional[list[str]] = None) -> argparse.ArgumentParser:
@@ -64,7 +68,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as e:
         prog = f"torchrec-cloud {ns.command}"
         print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
+        end_pod(EXIT_CONFIG)
+        return EXIT_CONFIG
 
 
 if __name__ == "__main__":

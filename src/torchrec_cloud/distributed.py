@@ -27,7 +27,8 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from torchrec_cloud import cpu_rowwise_adagrad
+from torchrec_cloud import comm, cpu_rowwise_adagrad
+from torchrec_cloud.comm import pg_timeout as _pg_timeout
 from torchrec_cloud.config import JobConfig, OptimizerConfig
 
 
@@ -83,11 +84,8 @@ def init_distributed(backend: str = "auto", num_threads: int = 0) -> Env:
             dist.init_process_group(
                 backend, timeout=timeout, device_id=device if backend == "nccl" else None
             )
+    comm.setup()
     return Env(rank, world_size, local_rank, local_world_size, device, backend)
-
-
-def _pg_timeout() -> timedelta:
-    return timedelta(seconds=int(os.environ.get("TORCHREC_CLOUD_PG_TIMEOUT_S", "1800")))
 
 
 _step_group: list[tuple[Any, dist.ProcessGroup, dist.ProcessGroup]] = []  # (default group, a2a, DDP)
@@ -199,7 +197,8 @@ def shard_model(
         constraints=fused_constraints(model),
         debug=False,
     )
-    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    # The plan is made on rank 0 and broadcast as a pickled object: our control group (comm).
+    plan = planner.collective_plan(model, sharders, comm.group() or dist.GroupMember.WORLD)
     dmp = DistributedModelParallel(
         module=model,
         env=ShardingEnv.from_process_group(step_process_group(env)),

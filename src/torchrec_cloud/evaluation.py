@@ -11,26 +11,10 @@ import math
 import time
 
 import torch
-import torch.distributed as dist
 from torchmetrics.functional.classification import binary_auroc
 
+from torchrec_cloud import comm
 from torchrec_cloud.data import DataSource
-
-
-def _gather(t: torch.Tensor) -> torch.Tensor:
-    """Concatenate a 1-D tensor of any length from every rank, in rank order."""
-    world = dist.get_world_size()
-    if world == 1:
-        return t
-    n = torch.tensor([t.numel()], dtype=torch.int64, device=t.device)
-    sizes = [torch.zeros_like(n) for _ in range(world)]
-    dist.all_gather(sizes, n)
-    longest = int(max(s.item() for s in sizes))
-    padded = torch.zeros(longest, dtype=t.dtype, device=t.device)
-    padded[: t.numel()] = t
-    parts = [torch.zeros_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded)
-    return torch.cat([p[: int(s.item())] for p, s in zip(parts, sizes)])
 
 
 def binary_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
@@ -54,8 +38,8 @@ def evaluate(model: torch.nn.Module, source: DataSource, split: str, device: tor
         _, (_, logits, labels) = model(batch.to(device))
         logits_parts.append(logits.view(-1)[:valid].float())
         label_parts.append(labels.view(-1)[:valid].float())
-    logits = _gather(torch.cat(logits_parts)).cpu()
-    labels = _gather(torch.cat(label_parts)).cpu()
+    logits = comm.gather_1d(torch.cat(logits_parts))
+    labels = comm.gather_1d(torch.cat(label_parts))
     metrics = binary_metrics(logits, labels)
     metrics["seconds"] = time.perf_counter() - start
     model.train(was_training)

@@ -543,6 +543,7 @@ def monitoring_profile(
     nproc_per_node: int = 1,
     scrape_interval: str = "30s",
     ports_declared: bool = True,
+    cluster_wide: bool = True,
 ) -> MonitoringProfile:
     """Render the scrape set-up of ``cloud`` for a job whose pods run ``nproc_per_node`` ranks
     serving on ``port`` .. ``port + nproc_per_node - 1`` (the deployment's --prometheus_port).
@@ -563,6 +564,12 @@ def monitoring_profile(
         raise ValueError(f"no monitoring profile for cloud {cloud!r}; known: {', '.join(sorted(clouds))}")
     common, entry = data["common"], clouds[cloud]
     manifests, note = list(entry["manifests"]), str(entry.get("note", ""))
+    if entry.get("cluster_wide") and not cluster_wide:
+        manifests = []
+        note = (f"{entry['collector']} reads its scrape jobs from a configuration that serves the "
+                "whole cluster; it is not part of this bundle (render with --cluster_monitoring to "
+                "add it, or merge the torchrec-cloud job into your own copy). The pods carry the "
+                "labels, ports and prometheus.io/* annotations it needs.")
     if entry.get("needs_declared_ports") and not ports_declared:
         manifests = []
         note = (f"{entry['collector']} finds the ranks through declared container ports, which "

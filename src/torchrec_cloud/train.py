@@ -20,6 +20,8 @@ TensorBoard event files to ``--output_dir``.
 from __future__ import annotations
 
 import argparse
+import signal
+import sys
 import time
 import warnings
 from typing import Any, Iterator, Optional
@@ -27,7 +29,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from torchrec_cloud import observability
+from torchrec_cloud import comm, observability
 from torchrec_cloud.checkpoint import Checkpointer, Position, Preemption
 from torchrec_cloud.config import JobConfig, add_config_flags, config_from_args
 from torchrec_cloud.data import DataSource, SyntheticSource, build_data_source, prefetched
@@ -42,6 +44,7 @@ from torchrec_cloud.distributed import (
     shard_model,
 )
 from torchrec_cloud.evaluation import evaluate
+from torchrec_cloud.launch import EXIT_OK, EXIT_PREEMPTED, end_pod
 from torchrec_cloud.metrics import MetricsSink
 from torchrec_cloud.model import build_model
 
@@ -55,7 +58,7 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
     sink = build_sinks(cfg, env)
     # Storage access and the checkpoint to resume are checked before anything is built.
     checkpoints = Checkpointer(cfg, env, sink)
-    preemption = Preemption(enabled=checkpoints.enabled)  # SIGTERM: finish the step, save, exit 0
+    preemption = Preemption(checkpoints=checkpoints.enabled)  # SIGTERM: finish the step, save, stop
     from tqdm import tqdm
 
     # -- build -------------------------------------------------------------------------
@@ -127,6 +130,9 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
         made.close()  # stops the prefetch thread when the segment ended before the data
         position = Position.after(step, epoch, first + step - segment_start, batches_per_epoch)
         if preemption.stop:
+            if env.is_main:
+                then = "saving a checkpoint" if checkpoints.enabled else "nothing is saved (no --checkpoint_path)"
+                print(f"stopping at step {step} on every rank for a preemption (SIGTERM); {then}", file=sys.stderr, flush=True)
             break
         if last == batches_per_epoch and window.steps:
             sink.log(window.record(step, epoch, env, scheduler.current_lr()))
@@ -169,6 +175,7 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
         "test": test,
         "world_size": env.world_size,
         "preempted": preemption.stop,
+        "sigterm": preemption.requested,
     }
 
 
@@ -226,26 +233,32 @@ def agreed_batches(batches: Iterator, limit: int, window: "_Window", preemption:
     Ranks with unequal batch counts would otherwise hang in the embedding all-to-all; one
     tiny all-reduce per batch makes them stop together. The same all-reduce carries the
     preemption flag, so all ranks stop after the same step and save the same position.
+    The agreement on a batch is started when the batch is fetched, one batch ahead of the
+    one handed to the pipeline, so it completes while a step runs (comm.all_min_async).
     """
-    distributed = dist.get_world_size() > 1
-    for _ in range(limit):
+
+    def fetch() -> tuple[Any, Any]:
         t0 = time.perf_counter()
         batch = next(batches, None)
         window.data_wait += time.perf_counter() - t0
-        stop = preemption.requested
-        if distributed:
-            # MIN of (have a batch, not preempted): one collective for both agreements.
-            flags = torch.tensor([0 if batch is None else 1, 0 if stop else 1])
-            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-            if not bool(flags[0].item()):
-                if batch is not None:
-                    warnings.warn("another rank ran out of training batches; stopping the epoch on all ranks")
-                return
-            stop = not bool(flags[1].item())
-        if stop:
-            preemption.stop = True
-            return
-        if batch is None:
+        return batch, comm.all_min_async([batch is not None, not preemption.requested])
+
+    ahead = fetch() if limit > 0 else None
+    for i in range(limit):
+        batch, agreement = ahead
+        # Every rank starts the next agreement before reading this one, so all ranks issue
+        # the same sequence of all-reduces whichever batch they stop at.
+        ahead = fetch() if i + 1 < limit else None
+        t0 = time.perf_counter()
+        have, go_on = agreement()
+        window.data_wait += time.perf_counter() - t0
+        if not (have and go_on):
+            if ahead is not None:
+                ahead[1]()  # completes on every rank; nothing is left in flight
+            if not have and batch is not None:
+                warnings.warn("another rank ran out of training batches; stopping the epoch on all ranks")
+            if have:
+                preemption.stop = True
             return
         yield batch
 
@@ -273,11 +286,7 @@ class _Window:
     def record(self, step: int, epoch: int, env: Env, lr: float) -> dict[str, Any]:
         seconds = time.perf_counter() - self.start
         loss = self.loss_sum / max(self.steps, 1) if self.loss_sum is not None else torch.tensor(0.0)
-        if env.world_size > 1:
-            loss = loss.clone().to(env.device)
-            dist.all_reduce(loss)
-            loss = loss / env.world_size
-        mean_loss = float(loss)
+        mean_loss = comm.mean(loss)
         record = {
             "event": "train",
             "step": step,
@@ -358,14 +367,21 @@ def _main(ns: argparse.Namespace) -> int:
     cfg = config_from_args(ns)
     quiet_library_warnings()
     try:
-        run(cfg)
+        result = run(cfg)
         # A rank that tears down while a peer is still in a collective kills the peer.
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
+        comm.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    return 0
+    if not result["preempted"]:
+        return EXIT_OK
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # done: the launcher's SIGTERM to its workers is moot
+    # Not finished: never exit 0 (a pod that does is never started again). The ranks that
+    # stopped because another one was preempted ask their launcher to end the pod too,
+    # rather than restart them into a rendezvous that waits for the preempted pod.
+    if not result["sigterm"]:
+        end_pod(EXIT_PREEMPTED)
+    return EXIT_PREEMPTED
 
 
 def quiet_library_warnings() -> None:

@@ -1,8 +1,9 @@
 """Azure Machine Learning command jobs for the trainer (azure-ai-ml SDK, optional extra).
 
 Azure ML starts one process per node here (``PyTorchDistribution(process_count_per_instance=1)``)
-and sets ``MASTER_ADDR``, ``MASTER_PORT`` and ``NODE_RANK`` on each; that process is torchrun,
-which starts one trainer per GPU with the right ``LOCAL_WORLD_SIZE`` (the sharding planner
+and sets ``MASTER_ADDR``, ``MASTER_PORT`` and ``NODE_RANK`` on each; that process is
+``torchrec-cloud launch`` (torchrun with c10d rendezvous at node 0, which re-forms the group
+after a restart, and exit codes that tell a preemption from a crash), which starts one trainer per GPU with the right ``LOCAL_WORLD_SIZE`` (the sharding planner
 needs it). Letting Azure ML start the GPU processes itself *and* calling torchrun, as the
 original guide did, would start G x G trainers per node::
 
@@ -47,14 +48,18 @@ def _docker_size(quantity: str) -> str:
 
 
 def torchrun_command(spec: DeploySpec, ctx: dict[str, Any]) -> str:
-    """The shell command each node runs; rendezvous values come from Azure ML's variables."""
+    """The shell command each node runs; rendezvous values come from Azure ML's variables
+    (NODE_RANK says which node hosts the store)."""
     parts = [
-        "torchrun",
+        "torchrec-cloud",
+        "launch",
         f"--nnodes={spec.nodes}",
         f"--nproc_per_node={spec.procs}",
-        "--node_rank=$NODE_RANK",
-        "--master_addr=$MASTER_ADDR",
-        "--master_port=$MASTER_PORT",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=$MASTER_ADDR:$MASTER_PORT",
+        f"--rdzv_id={spec.name}",
+        f"--rdzv_conf=join_timeout={ctx['join_timeout_s']},read_timeout={ctx['join_timeout_s']}",
+        f"--max_restarts={ctx['max_restarts']}",
         f"--shutdown_timeout={ctx['shutdown_timeout_s']}",
         "-m",
         "torchrec_cloud",

@@ -1,12 +1,12 @@
 """Kubernetes manifests from one set of Jinja2 templates and a cloud profile.
 
 :func:`build_context` turns a :class:`DeploySpec` and a :class:`Profile` into plain values
-(labels, node selector, env, volumes, the torchrun command); the templates in
+(labels, node selector, env, volumes, the `torchrec-cloud launch` command); the templates in
 ``templates/`` only lay them out. Each launcher is a list of templates::
 
     job         Namespace, ServiceAccount, headless Service, Indexed Job
     pytorchjob  Namespace, ServiceAccount, Kubeflow v1 PyTorchJob
-    trainjob    Namespace, ServiceAccount, Kubeflow Trainer v2 TrainJob
+    trainjob    Namespace, ServiceAccount, Kubeflow Trainer v2 TrainingRuntime + TrainJob
 
 followed by the objects the cluster's metrics collector needs (the profile's ``monitoring``
 key picks them from :func:`torchrec_cloud.observability.monitoring_profile`, which also
@@ -32,11 +32,11 @@ from torchrec_cloud.deploy.spec import DeploySpec
 LAUNCHER_TEMPLATES = {
     "job": ["namespace.yaml.j2", "serviceaccount.yaml.j2", "service.yaml.j2", "job.yaml.j2"],
     "pytorchjob": ["namespace.yaml.j2", "serviceaccount.yaml.j2", "pytorchjob.yaml.j2"],
-    "trainjob": ["namespace.yaml.j2", "serviceaccount.yaml.j2", "trainjob.yaml.j2"],
+    # A TrainJob cannot set its JobSet's failure policy or its Job's podFailurePolicy (its
+    # runtimePatches take pod metadata and a few container fields): the bundle carries a
+    # TrainingRuntime of its own, which can.
+    "trainjob": ["namespace.yaml.j2", "serviceaccount.yaml.j2", "trainingruntime.yaml.j2", "trainjob.yaml.j2"],
 }
-# A TrainJob's runtime patches cannot add container ports (its CRD allows only env, name,
-# securityContext and volumeMounts there), so its metrics ports stay undeclared.
-LAUNCHERS_WITHOUT_CONTAINER_PORTS = {"trainjob"}
 SERVICE_ACCOUNT = "torchrec-trainer"
 JOB_LABEL = "torchrec-cloud/job"
 # Where the trainer writes metrics.jsonl when no shared file system is mounted.
@@ -95,124 +95,34 @@ def render_template(template: str, /, **context: Any) -> str:
     return environment().get_template(template).render(**context)
 
 
-def _arg_lines(args: list[str]) -> list[str]:
-    """Shell-quoted trainer flags, one ``--flag value`` pair per line."""
-    lines: list[str] = []
-    for arg in args:
-        if lines and not arg.startswith("--") and " " not in lines[-1]:
-            lines[-1] += " " + shlex.quote(arg)
-        else:
-            lines.append(shlex.quote(arg))
-    return lines
+# Every launcher starts the trainer through `torchrec-cloud launch` (torchrun with exit codes
+# the controllers act on: 0 only for a finished run, EXIT_PREEMPTED for a preemption).
+LAUNCH_COMMAND = ["torchrec-cloud", "launch"]
 
 
 def build_context(spec: DeploySpec, profile: Optional[Profile] = None) -> dict[str, Any]:
     """Every value the templates use, computed from the spec and the profile's data."""
-    profile = profile or load_profile(spec.cloud)
-    wants_instance = spec.instance_type is not None or spec.gpus_per_node > 0
-    instance = profile.instance(spec.instance_type) if wants_instance else None
-    if instance is not None and instance.gpus and spec.gpus_per_node > instance.gpus:
-        raise ConfigError(
-            "gpus_per_node", f"{instance.name} has {instance.gpus} GPUs, asked for {spec.gpus_per_node}"
-        )
+    from torchrec_cloud.launch import EXIT_CONFIG, EXIT_PREEMPTED
 
+    profile = profile or load_profile(spec.cloud)
+    instance = _instance(spec, profile)
     common_labels = {"app.kubernetes.io/name": "torchrec-cloud", "app.kubernetes.io/part-of": "torchrec-cloud"}
     selector = {JOB_LABEL: spec.name}
     labels = {**common_labels, "app.kubernetes.io/instance": spec.name, **selector}
     identity = profile.identity or {}
     metrics_port = spec.user_prometheus_port() or profile.metrics_port
-    ports_declared = spec.launcher not in LAUNCHERS_WITHOUT_CONTAINER_PORTS
-    monitoring = _monitoring(spec, profile, metrics_port, ports_declared)
-    pod_labels = {**labels, **identity.get("pod_labels", {}), **monitoring.pod_labels, **profile.pod_labels}
-    pod_annotations = {**monitoring.pod_annotations, **profile.pod_annotations}
-
-    node_selector = dict(profile.node_selector)
-    tolerations = list(profile.tolerations)
-    if instance is not None:
-        node_selector[profile.instance_label] = instance.name
-    if spec.spot:
-        node_selector.update(profile.spot.get("node_selector", {}))
-        tolerations += profile.spot.get("tolerations", [])
-    affinity = {
-        "podAntiAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": [
-                {"labelSelector": {"matchLabels": selector}, "topologyKey": "kubernetes.io/hostname"}
-            ]
-        }
-    }
-
+    monitoring = _monitoring(spec, profile, metrics_port)
+    volumes, volume_mounts, storage, output_root = _volumes(spec, profile)
     grace = spec.grace_period_s or profile.termination_grace_period_s
-    pod_spec: dict[str, Any] = {
-        "serviceAccountName": SERVICE_ACCOUNT,
-        "terminationGracePeriodSeconds": grace,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000},
-    }
-    if node_selector:
-        pod_spec["nodeSelector"] = node_selector
-    if tolerations:
-        pod_spec["tolerations"] = tolerations
-    pod_spec["affinity"] = affinity
-
-    volumes: list[dict[str, Any]] = [
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size or profile.shm_size}}
-    ]
-    volume_mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
-    storage = profile.storage if spec.storage else None
-    output_root = LOCAL_OUTPUT_ROOT
-    if storage:
-        volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": storage["claim_name"]}})
-        volume_mounts.append({"name": "data", "mountPath": storage["mount_path"]})
-        output_root = f"{storage['mount_path']}/runs"
-
-    env_map = dict(profile.env)
-    if instance is not None:
-        env_map.update(instance.env)
-    env = [{"name": k, "value": str(v)} for k, v in env_map.items()]
-
-    limits: dict[str, Any] = {}
-    requests: dict[str, Any] = {}
-    if spec.gpus_per_node:
-        limits[profile.gpu_resource] = spec.gpus_per_node
-        if instance is not None:
-            limits.update(instance.extra_resources)
-    if instance is not None and spec.gpus_per_node == instance.gpus:
-        # Whole machines: ask for most of the node so nothing else lands beside the trainer.
-        requests.update(instance.requests)
-    resources: dict[str, Any] = {}
-    if requests:
-        resources["requests"] = requests
-    if limits:
-        resources["limits"] = limits
-
-    ports = list(monitoring.container_ports) if ports_declared else []
-    if spec.launcher == "job":
-        # The operators pick their own rendezvous ports; the Indexed Job uses this one.
-        ports.append({"name": "rendezvous", "containerPort": profile.rendezvous_port, "protocol": "TCP"})
-    container_security: dict[str, Any] = {"allowPrivilegeEscalation": False}
-    if profile.container_capabilities:
-        container_security["capabilities"] = {"add": list(profile.container_capabilities)}
-    container_spec: dict[str, Any] = {"ports": ports}
-    if resources:
-        container_spec["resources"] = resources
-    container_spec["securityContext"] = container_security
-    container_spec["volumeMounts"] = volume_mounts
-
     trainer_args = spec.trainer_args(output_root, monitoring.container_args)
-    shutdown_timeout = max(grace - profile.shutdown_margin_s, 10)
-    operator_torchrun_args = [
-        f"--max_restarts={profile.max_restarts}",
-        f"--shutdown_timeout={shutdown_timeout}",
-        "-m",
-        "torchrec_cloud",
-        "train",
-        *trainer_args,
-    ]
-    sa_annotations = {}
+    launch = _launch_args(spec, profile, grace, trainer_args)
     if identity:
-        sa_annotations[identity["annotation"]] = spec.identity or identity["example"]
+        sa_annotations = {identity["annotation"]: spec.identity or identity["example"]}
         identity_note = f"{identity['annotation']} grants cloud access without keys in the manifest."
     else:
+        sa_annotations = {}
         identity_note = "No cloud identity: add your cluster's workload-identity annotation here."
+    env = {**profile.env, **(instance.env if instance is not None else {})}
 
     ctx: dict[str, Any] = {
         "spec": spec,
@@ -227,43 +137,165 @@ def build_context(spec: DeploySpec, profile: Optional[Profile] = None) -> dict[s
         "common_labels": common_labels,
         "labels": labels,
         "selector": selector,
-        "pod_labels": pod_labels,
-        "pod_annotations": pod_annotations,
+        "pod_labels": {**labels, **identity.get("pod_labels", {}), **monitoring.pod_labels, **profile.pod_labels},
+        "pod_annotations": {**monitoring.pod_annotations, **profile.pod_annotations},
         "service_account": SERVICE_ACCOUNT,
         "service_account_annotations": sa_annotations,
         "identity_note": identity_note,
-        "pod_spec": pod_spec,
-        "container_spec": container_spec,
-        "container_security": container_security,
-        "env": env,
-        "resources": resources,
+        "pod_spec": _pod_spec(spec, profile, instance, selector, grace),
+        "container_security": _container_security(profile),
+        "env": [{"name": k, "value": str(v)} for k, v in env.items()],
+        "resources": _resources(spec, profile, instance),
         "volumes": volumes,
         "volume_mounts": volume_mounts,
         "storage": storage,
-        "backoff_limit": spec.backoff_limit if spec.backoff_limit is not None else profile.backoff_limit * spec.nodes,
+        "backoff_limit": spec.backoff_limit if spec.backoff_limit is not None else profile.backoff_limit,
         "max_restarts": profile.max_restarts,
         "rendezvous_port": profile.rendezvous_port,
         "rendezvous_endpoint": f"{spec.name}-0.{spec.name}:{profile.rendezvous_port}",
         "join_timeout_s": profile.rendezvous_join_timeout_s,
-        "shutdown_timeout_s": shutdown_timeout,
+        "shutdown_timeout_s": launch["shutdown_timeout_s"],
         "grace_period_s": grace,
         "metrics_port": metrics_port,
         "monitoring": monitoring,
         "trainer_args": trainer_args,
-        "trainer_arg_lines": _arg_lines(trainer_args),
-        "operator_torchrun_args": operator_torchrun_args,
-        # The TrainJob runtime uses torchrun's static rendezvous; its store timeout defaults
-        # to 10 minutes, shorter than node 0's image pull may take.
-        "trainjob_torchrun_args": [
-            f"--rdzv_conf=timeout={profile.rendezvous_join_timeout_s}",
-            *operator_torchrun_args,
-        ],
+        "launch_command": LAUNCH_COMMAND,
+        "job_launch_args": launch["job"],
+        "operator_launch_args": launch["pytorchjob"],
+        "trainjob_launch_args": launch["trainjob"],
+        "exit_preempted": EXIT_PREEMPTED,
+        "exit_config": EXIT_CONFIG,
     }
-    ctx["launch_script"] = render_template("launch_job.sh.j2", **ctx).rstrip("\n")
+    ctx["container_spec"] = _container_spec(ctx, ports=_ports(spec, profile, monitoring))
     return ctx
 
 
-def _monitoring(spec: DeploySpec, profile: Profile, port: int, ports_declared: bool):
+def _instance(spec: DeploySpec, profile: Profile):
+    wants_instance = spec.instance_type is not None or spec.gpus_per_node > 0
+    instance = profile.instance(spec.instance_type) if wants_instance else None
+    if instance is not None and instance.gpus and spec.gpus_per_node > instance.gpus:
+        raise ConfigError(
+            "gpus_per_node", f"{instance.name} has {instance.gpus} GPUs, asked for {spec.gpus_per_node}"
+        )
+    return instance
+
+
+def _pod_spec(spec: DeploySpec, profile: Profile, instance, selector: dict, grace: int) -> dict[str, Any]:
+    """Where the pods may run and as whom: one pod per node, the profile's (spot) pools."""
+    node_selector = dict(profile.node_selector)
+    tolerations = list(profile.tolerations)
+    if instance is not None:
+        node_selector[profile.instance_label] = instance.name
+    if spec.spot:
+        node_selector.update(profile.spot.get("node_selector", {}))
+        tolerations += profile.spot.get("tolerations", [])
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": SERVICE_ACCOUNT,
+        "terminationGracePeriodSeconds": grace,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000},
+    }
+    if node_selector:
+        pod_spec["nodeSelector"] = node_selector
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
+    pod_spec["affinity"] = {
+        "podAntiAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {"labelSelector": {"matchLabels": selector}, "topologyKey": "kubernetes.io/hostname"}
+            ]
+        }
+    }
+    return pod_spec
+
+
+def _volumes(spec: DeploySpec, profile: Profile) -> tuple[list, list, Optional[dict], str]:
+    """/dev/shm and the shared file system: (volumes, mounts, storage, where runs are written)."""
+    volumes: list[dict[str, Any]] = [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size or profile.shm_size}}
+    ]
+    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    storage = dict(profile.storage) if spec.storage and profile.storage else None
+    output_root = LOCAL_OUTPUT_ROOT
+    if storage:
+        if spec.storage_claim:
+            storage["claim_name"] = spec.storage_claim
+        volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": storage["claim_name"]}})
+        mounts.append({"name": "data", "mountPath": storage["mount_path"]})
+        output_root = f"{storage['mount_path']}/runs"
+    return volumes, mounts, storage, output_root
+
+
+def _resources(spec: DeploySpec, profile: Profile, instance) -> dict[str, Any]:
+    limits: dict[str, Any] = {}
+    requests: dict[str, Any] = {}
+    if spec.gpus_per_node:
+        limits[profile.gpu_resource] = spec.gpus_per_node
+        if instance is not None:
+            limits.update(instance.extra_resources)
+            rdma = profile.request_rdma if spec.rdma is None else spec.rdma
+            if rdma:
+                limits.update(instance.rdma_resources)
+    if instance is not None and spec.gpus_per_node == instance.gpus:
+        # Whole machines: ask for most of the node so nothing else lands beside the trainer.
+        requests.update(instance.requests)
+    resources: dict[str, Any] = {}
+    if requests:
+        resources["requests"] = requests
+    if limits:
+        resources["limits"] = limits
+    return resources
+
+
+def _container_security(profile: Profile) -> dict[str, Any]:
+    security: dict[str, Any] = {"allowPrivilegeEscalation": False}
+    if profile.container_capabilities:
+        security["capabilities"] = {"add": list(profile.container_capabilities)}
+    return security
+
+
+def _ports(spec: DeploySpec, profile: Profile, monitoring) -> list[dict[str, Any]]:
+    ports = list(monitoring.container_ports)
+    if spec.launcher == "job":
+        # The operators pick their own rendezvous ports; the Indexed Job uses this one.
+        ports.append({"name": "rendezvous", "containerPort": profile.rendezvous_port, "protocol": "TCP"})
+    return ports
+
+
+def _container_spec(ctx: dict[str, Any], ports: list[dict[str, Any]]) -> dict[str, Any]:
+    container: dict[str, Any] = {"ports": ports}
+    if ctx["resources"]:
+        container["resources"] = ctx["resources"]
+    container["securityContext"] = ctx["container_security"]
+    container["volumeMounts"] = ctx["volume_mounts"]
+    return container
+
+
+def _launch_args(spec: DeploySpec, profile: Profile, grace: int, trainer_args: list[str]) -> dict[str, Any]:
+    """`torchrec-cloud launch` flags per launcher. The Indexed Job names the whole rendezvous;
+    PyTorchJob's operator sets PET_NNODES/PET_RDZV_* itself; Kubeflow Trainer sets only
+    PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK and node 0's address (for torchrun's static
+    rendezvous, which cannot re-form a group after a restart), so its c10d flags are here."""
+    shutdown_timeout = max(grace - profile.shutdown_margin_s, 10)
+    timeouts = f"join_timeout={profile.rendezvous_join_timeout_s},read_timeout={profile.rendezvous_join_timeout_s}"
+    restarts = [f"--max_restarts={profile.max_restarts}", f"--shutdown_timeout={shutdown_timeout}"]
+    train = ["-m", "torchrec_cloud", "train", *trainer_args]
+    rendezvous = ["--rdzv_backend=c10d", f"--rdzv_id={spec.name}", f"--rdzv_conf={timeouts}"]
+    return {
+        "shutdown_timeout_s": shutdown_timeout,
+        "job": [
+            f"--nnodes={spec.nodes}",
+            f"--nproc_per_node={spec.procs}",
+            *rendezvous,
+            f"--rdzv_endpoint={spec.name}-0.{spec.name}:{profile.rendezvous_port}",
+            *restarts,
+            *train,
+        ],
+        "pytorchjob": [*restarts, *train],
+        "trainjob": [*rendezvous, "--rdzv_endpoint=$(PET_MASTER_ADDR):$(PET_MASTER_PORT)", *restarts, *train],
+    }
+
+
+def _monitoring(spec: DeploySpec, profile: Profile, port: int):
     """What the profile's metrics collector needs for this job (pod metadata, ports, trainer
     flags, objects to apply), from the one copy of that data in the observability module."""
     from torchrec_cloud.observability import monitoring_profile
@@ -277,7 +309,7 @@ def _monitoring(spec: DeploySpec, profile: Profile, port: int, ports_declared: b
             port=port,
             nproc_per_node=spec.procs,
             scrape_interval=str(settings["scrape_interval"]),
-            ports_declared=ports_declared,
+            cluster_wide=spec.cluster_monitoring,
         )
     except ConfigError:
         raise  # a port range past 65535: the user's flag, named

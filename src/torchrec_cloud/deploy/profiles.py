@@ -46,6 +46,7 @@ class Instance:
     network: str = ""
     requests: dict[str, str] = field(default_factory=dict)
     extra_resources: dict[str, int] = field(default_factory=dict)
+    rdma_resources: dict[str, int] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -82,6 +83,8 @@ class Profile:
     cluster: dict[str, Any] = field(default_factory=dict)
     image_registry: str = ""
     object_store: str = ""
+    request_rdma: bool = False
+    placeholders: list[str] = field(default_factory=list)
 
     def instance(self, name: Optional[str] = None) -> Optional[Instance]:
         """The named instance type (default: the profile's), or None for a generic cluster."""

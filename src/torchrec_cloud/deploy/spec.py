@@ -27,6 +27,7 @@ DEFAULT_IMAGE = f"torchrec-cloud:{__version__}"
 # "<name>-<index>", which must stay within 63 characters.
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _MAX_NAME = 52
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 
 
 class TrainFlagsError(ConfigError):
@@ -93,9 +94,20 @@ class DeploySpec:
     """Run on spot/preemptible nodes (selectors and tolerations from the profile)."""
     storage: bool = True
     """Mount the profile's shared file system (FSx / NetApp / Filestore) if it has one."""
+    storage_claim: Optional[str] = None
+    """An existing PersistentVolumeClaim to mount as that file system (default: the profile's
+    claim, which `render --what storage` writes for you to fill in and apply)."""
     identity: Optional[str] = None
     """Cloud identity for the service account (IAM role ARN, managed identity client id,
     Google service account); default: the profile's example value."""
+    rdma: Optional[bool] = None
+    """Ask for the instance's RDMA device resource (the profile's rdma_resources), which
+    exists only where the cluster's device plugin exposes it (default: the profile's
+    request_rdma)."""
+    cluster_monitoring: bool = False
+    """Also render the metrics collector's cluster-wide configuration where the profile's
+    collector needs one (EKS: the CloudWatch agent's two ConfigMaps, which replace its
+    configuration for the whole cluster)."""
     shm_size: Optional[str] = None
     """Size of /dev/shm (default: the profile's)."""
     grace_period_s: Optional[int] = None
@@ -138,6 +150,18 @@ class DeploySpec:
             )
         if self.backoff_limit is not None and self.backoff_limit < 0:
             raise ConfigError("backoff_limit", f"must be >= 0, got {self.backoff_limit}")
+        if self.storage_claim is not None and not _DNS_SUBDOMAIN.match(self.storage_claim):
+            raise ConfigError("storage_claim", f"must be a PersistentVolumeClaim name, got {self.storage_claim!r}")
+        if self.spot and not self.checkpoint_url and not self._trains_with("--checkpoint_path"):
+            raise ConfigError(
+                "checkpoint_url",
+                "--spot needs a checkpoint destination: a reclaimed node's pods resume from the "
+                "checkpoint saved on SIGTERM; pass --checkpoint_url s3://BUCKET/PATH (or a folder on "
+                "the shared file system)",
+            )
+
+    def _trains_with(self, flag: str) -> bool:
+        return any(a == flag or a.startswith(flag + "=") for a in self.train_args)
 
     @property
     def procs(self) -> int:
@@ -183,9 +207,11 @@ class DeploySpec:
         return args
 
 
-def add_spec_flags(parser: argparse.ArgumentParser, defaults: Optional[dict] = None) -> None:
-    """One flag per :class:`DeploySpec` field (``--nodes``, ``--spot``, ...) plus the
-    training flags after ``--``."""
+def add_spec_flags(
+    parser: argparse.ArgumentParser, defaults: Optional[dict] = None, exclude: Sequence[str] = ()
+) -> None:
+    """One flag per :class:`DeploySpec` field (``--nodes``, ``--spot``, ...; not those in
+    ``exclude``) plus the training flags after ``--``."""
     import dataclasses
     import typing
 
@@ -195,7 +221,7 @@ def add_spec_flags(parser: argparse.ArgumentParser, defaults: Optional[dict] = N
     docs = _field_docs(DeploySpec)
     hints = typing.get_type_hints(DeploySpec)
     for f in dataclasses.fields(DeploySpec):
-        if f.name == "train_args":
+        if f.name == "train_args" or f.name in exclude:
             continue
         tp = hints[f.name]
         kwargs: dict = {"help": docs.get(f.name, ""), **flag_kwargs(tp)}

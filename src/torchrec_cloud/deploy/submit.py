@@ -11,7 +11,10 @@
 ``kubernetes`` applies the manifests of ``torchrec-cloud render`` with ``kubectl apply``
 (``--follow`` then waits for the pods and streams their logs); ``azureml`` and ``vertex``
 build the job with the cloud's SDK (extras ``azure``, ``gcp``) and submit it. ``--dry-run``
-prints exactly what would be submitted and touches nothing.
+prints exactly what would be submitted and touches nothing. A real submission refuses
+what cannot work as it stands (exit 2, one line each): the default image (no registry), a
+profile's example values (account ids, identities, registries, buckets), and a volume the
+bundle mounts but neither creates nor was told exists (``--storage_claim``).
 """
 
 from __future__ import annotations
@@ -143,8 +146,50 @@ def main(argv: list[str]) -> int:
         return 2
 
 
+def placeholders(spec: DeploySpec, target: str) -> list[str]:
+    """What a real submission of ``spec`` would send that cannot work as it stands: the
+    default image (no registry), a profile's example values, a volume nobody created. One
+    line each, saying what to pass instead."""
+    from torchrec_cloud.deploy.spec import DEFAULT_IMAGE
+
+    profile = load_profile(spec.cloud)
+    problems = []
+    if spec.image == DEFAULT_IMAGE:
+        problems.append(
+            f"--image {spec.image} names no registry, so no node can pull it: build docker/Dockerfile.cuda, "
+            f"push it and pass --image REGISTRY/{DEFAULT_IMAGE} (docs/deploy.md)"
+        )
+    identity = profile.identity or {}
+    if target == "kubernetes" and identity and spec.identity is None:
+        problems.append(
+            f"the service account would carry the profile's example identity {identity['example']}: pass "
+            f"--identity with your own ({identity['annotation']})"
+        )
+    for flag, value in (("image", spec.image), ("identity", spec.identity), ("data_url", spec.data_url),
+                        ("checkpoint_url", spec.checkpoint_url)):  # fmt: skip
+        example = next((p for p in profile.placeholders if value and p in value), None)
+        if example is not None and not (flag == "image" and spec.image == DEFAULT_IMAGE):
+            problems.append(f"--{flag} {value} holds the example value {example} of profile {profile.name!r}: "
+                            f"pass your own")  # fmt: skip
+    if target == "kubernetes" and spec.storage and profile.storage and not spec.storage_claim:
+        storage = profile.storage
+        problems.append(
+            f"the job mounts PersistentVolumeClaim {storage['claim_name']} ({storage.get('title', 'shared storage')}), "
+            f"which this submission does not create: pass --storage_claim NAME for one that exists in namespace "
+            f"{spec.namespace} (`torchrec-cloud render --cloud {profile.name} --what storage` writes one to fill in "
+            "and apply), or --no-storage"
+        )
+    return problems
+
+
 def run(ns: argparse.Namespace) -> int:
     spec = spec_from_args(ns)
+    if not ns.dry_run:
+        problems = placeholders(spec, ns.target)
+        for problem in problems:
+            print(f"torchrec-cloud submit: error: {problem}", file=sys.stderr)
+        if problems:
+            return 2
     try:
         if ns.target == "kubernetes":
             return submit_kubernetes(spec, ns.dry_run, ns.follow, ns.kubectl)

@@ -60,7 +60,7 @@ def build_app(spec: DeploySpec) -> Any:
     )
     port = ctx["rendezvous_port"]
     torchrun = [
-        "torchrun",
+        "torchrec-cloud launch",  # torchrun with exit codes that tell a preemption from a crash
         f"--nnodes={spec.nodes}",
         f"--nproc_per_node={spec.procs}",
         "--rdzv_backend=c10d",
@@ -74,7 +74,7 @@ def build_app(spec: DeploySpec) -> Any:
     ]
     # Unquoted so that bash expands it in the pod ($$ is TorchX's escape for $).
     endpoint = f"--rdzv_endpoint=$${{{specs.macros.rank0_env}:=localhost}}:{port}"
-    script = " ".join(shlex.quote(a) for a in torchrun[:4]) + f" {endpoint} " + " ".join(
+    script = torchrun[0] + " " + " ".join(shlex.quote(a) for a in torchrun[1:4]) + f" {endpoint} " + " ".join(
         shlex.quote(a) for a in torchrun[4:]
     )
     # TorchX's Kubernetes scheduler adds /dev/shm itself; the shared file system is a PVC.
@@ -88,7 +88,8 @@ def build_app(spec: DeploySpec) -> Any:
         args=["-c", script],
         num_replicas=spec.nodes,
         resource=resource,
-        env={e["name"]: e["value"] for e in ctx["env"]},
+        # Replica 0 hosts the c10d store.
+        env={**{e["name"]: e["value"] for e in ctx["env"]}, "TORCHREC_CLOUD_NODE_RANK": specs.macros.replica_id},
         port_map={"c10d": port},
         max_retries=ctx["backoff_limit"],
         mounts=mounts,

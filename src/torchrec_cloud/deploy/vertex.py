@@ -1,7 +1,8 @@
 """Vertex AI custom jobs for the trainer (google-cloud-aiplatform, optional extra).
 
 A Vertex AI CustomJob has worker pools: pool 0 holds one replica (node 0), pool 1 the other
-``nodes - 1``. Each replica runs torchrun; its node rank and node 0's address come from the
+``nodes - 1``. Each replica runs ``torchrec-cloud launch`` (torchrun, c10d rendezvous at node 0);
+its node rank and node 0's address come from the
 ``CLUSTER_SPEC`` variable Vertex AI sets in every replica, turned into shell variables by
 ``python -m torchrec_cloud.deploy.vertex rendezvous-env``::
 
@@ -51,21 +52,27 @@ def rendezvous_env(cluster_spec: str) -> dict[str, str]:
 
 
 def container_command(spec: DeploySpec, ctx: dict[str, Any], output_root: str) -> list[str]:
-    torchrun = [
-        "torchrun",
+    launch = [
+        "torchrec-cloud",
+        "launch",
         f"--nnodes={spec.nodes}",
         f"--nproc_per_node={spec.procs}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_id={spec.name}",
+        f"--rdzv_conf=join_timeout={ctx['join_timeout_s']},read_timeout={ctx['join_timeout_s']}",
+        f"--max_restarts={ctx['max_restarts']}",
         f"--shutdown_timeout={ctx['shutdown_timeout_s']}",
         "-m",
         "torchrec_cloud",
         "train",
         *spec.trainer_args(output_root),
     ]
+    # NODE_RANK (exported) tells the launcher whether this replica hosts the store.
     script = (
         'eval "$(python -m torchrec_cloud.deploy.vertex rendezvous-env)" && exec '
-        + " ".join(shlex.quote(a) for a in torchrun[:3])
-        + ' --node_rank="$NODE_RANK" --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" '
-        + " ".join(shlex.quote(a) for a in torchrun[3:])
+        + " ".join(shlex.quote(a) for a in launch[:5])
+        + ' --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" '
+        + " ".join(shlex.quote(a) for a in launch[5:])
     )
     return ["/bin/bash", "-c", script]
 
