@@ -5,9 +5,9 @@ import torch
 from torchrec.models import dlrm
 
 from torchrec_cloud.config import OptimizerConfig, parse_job_config
-from torchrec_cloud.data import SyntheticSource
-from torchrec_cloud.distributed import WarmupPolyDecay
+from torchrec_cloud.data.synthetic import SyntheticSource
 from torchrec_cloud.model import build_model, table_configs
+from torchrec_cloud.optim import WarmupPolyDecay
 
 SMALL = ["--num_embeddings", "50", "--embedding_dim", "8", "--dense_arch_layer_sizes", "16,8",
          "--over_arch_layer_sizes", "16,1", "--batch_size", "32"]  # fmt: skip

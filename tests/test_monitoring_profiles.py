@@ -19,7 +19,8 @@ import yaml
 from observed_run import PrometheusServer, free_port, prometheus_binary
 
 from torchrec_cloud.config import ConfigError
-from torchrec_cloud.observability import PrometheusSink, monitoring_clouds, monitoring_profile
+from torchrec_cloud.deploy.monitoring import monitoring_clouds, monitoring_profile
+from torchrec_cloud.metrics.prometheus import PrometheusSink
 
 # Kubernetes IANA_SVC_NAME: what a named container port may be called.
 PORT_NAME = re.compile(r"^(?=.*[a-z])[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?$")

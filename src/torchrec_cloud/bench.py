@@ -51,7 +51,7 @@ def _peak_rss_mb() -> float:
 
 
 def _batches(cfg, rank: int, world_size: int, count: int) -> list:
-    from torchrec_cloud.data import SyntheticSource
+    from torchrec_cloud.data.synthetic import SyntheticSource
 
     source = SyntheticSource(cfg, rank, world_size)
     return [source.make_batch("train", i * world_size + rank) for i in range(count)]
@@ -93,8 +93,9 @@ def worker_ours(cfg, steps: int, warmup: int, precision: str = "fp32", profile: 
     import torch.distributed as dist
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-    from torchrec_cloud.distributed import build_optimizer, collectives, init_distributed, shard_model
+    from torchrec_cloud.distributed import collectives, init_distributed, shard_model
     from torchrec_cloud.model import build_model
+    from torchrec_cloud.optim import build_optimizer
     from torchrec_cloud.train import quiet_library_warnings
 
     quiet_library_warnings()

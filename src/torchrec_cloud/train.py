@@ -27,23 +27,17 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from torchrec_cloud import observability
-from torchrec_cloud.checkpoint import Checkpointer, Position, Preemption
+from torchrec_cloud import metrics
+from torchrec_cloud.checkpoint import Checkpointer, Position
 from torchrec_cloud.config import JobConfig, add_config_flags, config_from_args
-from torchrec_cloud.data import DataSource, SyntheticSource, build_data_source, prefetched
-from torchrec_cloud.precision import precision_context
-from torchrec_cloud.distributed import (
-    Env,
-    WarmupPolyDecay,
-    build_optimizer,
-    collectives,
-    init_distributed,
-    plan_summary,
-    shard_model,
-)
+from torchrec_cloud.data import DataSource, build_data_source
+from torchrec_cloud.distributed import Env, collectives, init_distributed, plan_summary, shard_model
 from torchrec_cloud.evaluation import evaluate
 from torchrec_cloud.metrics import MetricsSink
 from torchrec_cloud.model import build_model
+from torchrec_cloud.optim import WarmupPolyDecay, build_optimizer
+from torchrec_cloud.precision import precision_context
+from torchrec_cloud.preemption import Preemption
 
 
 def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
@@ -80,8 +74,8 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
         "threads_per_rank": torch.get_num_threads(),
         "config": cfg.to_dict(),
     }
-    if isinstance(source, SyntheticSource) and source.kind == "planted" and env.is_main:
-        start_record["bayes_auc"] = source.bayes_auc("val")
+    if env.is_main:
+        start_record.update(source.facts())  # planted data: bayes_auc
     sink.log(start_record)
 
     # -- resume ------------------------------------------------------------------------
@@ -105,7 +99,7 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
     intervals = (cfg.train.eval_every, cfg.checkpoint.checkpoint_interval)
     run_start = time.perf_counter()
     for epoch, first, last in segments(position, cfg.train.num_epochs, batches_per_epoch, intervals):
-        made = _train_batches(source, epoch, first, workers, pin=env.device.type == "cuda")
+        made = source.train_batches_ahead(epoch, first, workers, pin=env.device.type == "cuda")
         batches = agreed_batches(made, last - first, window, preemption)
         segment_start = step
         while True:
@@ -177,10 +171,10 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
 
 def build_sinks(cfg: JobConfig, env: Env) -> MetricsSink:
     """Rank 0 writes metrics.jsonl, TensorBoard events and console lines; with
-    --prometheus_port every rank also serves its metrics (torchrec_cloud.observability)."""
+    --prometheus_port every rank also serves its metrics (torchrec_cloud.metrics)."""
     from tqdm import tqdm
 
-    return observability.build_sinks(
+    return metrics.build_sinks(
         cfg, env.rank, env.local_rank, env.world_size, console_write=tqdm.write
     )
 
@@ -206,17 +200,6 @@ def segments(
             step += last - first
             first = last
         first = 0
-
-
-def _train_batches(source: DataSource, epoch: int, first: int, workers: int, pin: bool) -> Iterator:
-    """The segment's training batches, made ahead by ``workers`` processes (synthetic data)
-    or one reading thread (other sources, and synthetic ones whose ``train_batches`` is
-    overridden), or in the step when ``workers`` is 0."""
-    if workers and isinstance(source, SyntheticSource) and source.makes_batches_by_index():
-        batches = source.train_loader(epoch, first, workers, pin)
-    else:
-        batches = prefetched(source.train_batches(epoch, first), 2 if workers else 0, pin)
-    yield from batches
 
 
 def agreed_batches(batches: Iterator, limit: int, window: "_Window", preemption: Preemption) -> Iterator:
