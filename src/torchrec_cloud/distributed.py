@@ -12,7 +12,7 @@ import ctypes
 import dataclasses
 import os
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -25,8 +25,8 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-from torchrec_cloud import cpu_rowwise_adagrad
-from torchrec_cloud.config import JobConfig
+from torchrec_cloud import compat
+from torchrec_cloud.config import JobConfig, TrainConfig
 from torchrec_cloud.optim import embedding_lr
 
 
@@ -46,6 +46,15 @@ class Env:
         return self.rank == 0
 
 
+@dataclasses.dataclass
+class StepGroups:
+    """The process groups the training step runs on: TorchRec's all-to-alls, DDP's gradient
+    all-reduces. None: the default group (the speed-ups layer may give others)."""
+
+    all_to_all: Optional[dist.ProcessGroup] = None
+    data_parallel: Optional[dist.ProcessGroup] = None
+
+
 def _cpu_count() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -53,8 +62,9 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def init_distributed(backend: str = "auto", num_threads: int = 0) -> Env:
-    """Join (or create) the process group and pick this rank's device and thread count."""
+def init_distributed(backend: str = "auto", num_threads: int = 0, timeout_s: Optional[int] = None) -> Env:
+    """Join (or create) the process group and pick this rank's device and thread count;
+    a collective fails after ``timeout_s`` (``--pg_timeout_s``)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -73,7 +83,7 @@ def init_distributed(backend: str = "auto", num_threads: int = 0) -> Env:
     torch.set_num_threads(threads)
     keep_freed_memory()
     if not dist.is_initialized():
-        timeout = _pg_timeout()
+        timeout = _pg_timeout(timeout_s)
         if world_size == 1 and "MASTER_ADDR" not in os.environ:
             dist.init_process_group(
                 backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
@@ -85,44 +95,8 @@ def init_distributed(backend: str = "auto", num_threads: int = 0) -> Env:
     return Env(rank, world_size, local_rank, local_world_size, device, backend)
 
 
-def _pg_timeout() -> timedelta:
-    return timedelta(seconds=int(os.environ.get("TORCHREC_CLOUD_PG_TIMEOUT_S", "1800")))
-
-
-_step_group: list[tuple[Any, dist.ProcessGroup, dist.ProcessGroup]] = []  # (default group, a2a, DDP)
-
-
-def step_process_group(env: Env) -> dist.ProcessGroup:
-    """The group the training step's all-to-alls run on: for CPU ranks on one host, one that
-    moves them through shared memory (shm_group.py); otherwise the default group. DDP's
-    gradient all-reduces get a second such group (``_step_groups``). Made once per process
-    (collective: every rank calls it)."""
-    return _step_groups(env)[0]
-
-
-def _step_groups(env: Env) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    world = dist.GroupMember.WORLD
-    if env.device.type != "cpu" or env.world_size < 2:
-        return world, world
-    if not _step_group or _step_group[0][0] is not world:
-        from torchrec_cloud.shm_group import shared_memory_group
-
-        a2a = shared_memory_group(_pg_timeout())
-        # DDP's all-reduces in a group of their own, completed by a thread: DDP waits for them
-        # only at the end of the backward, not at each bucket (2 ranks on 2 cores, 7 interleaved
-        # pairs: median 154 ms a step against 175 completing them in place; faster in 6).
-        ddp = shared_memory_group(_pg_timeout(), background=True) if a2a is not None else None
-        _step_group[:] = [(world, a2a or world, ddp or world)]
-    return _step_group[0][1], _step_group[0][2]
-
-
-def collectives(dmp: DistributedModelParallel) -> str:
-    """How the sharded model's step communicates: "shared memory + gloo", "gloo", "nccl"."""
-    from torchrec_cloud.shm_group import BACKEND
-
-    pg = dmp._env.process_group
-    backend = dist.get_backend(pg) if pg is not None else "none"
-    return "shared memory + gloo" if backend == BACKEND else str(backend)
+def _pg_timeout(seconds: Optional[int] = None) -> timedelta:
+    return timedelta(seconds=seconds if seconds is not None else TrainConfig().pg_timeout_s)
 
 
 # glibc's mallopt parameters (malloc.h).
@@ -175,13 +149,12 @@ def topology(env: Env) -> Topology:
 
 
 def shard_model(
-    model: torch.nn.Module, cfg: JobConfig, env: Env
+    model: torch.nn.Module, cfg: JobConfig, env: Env, groups: Optional[StepGroups] = None
 ) -> tuple[DistributedModelParallel, ShardingPlan]:
-    """Fuse row-wise Adagrad into the tables' backward, plan with the real topology, shard."""
-    if env.device.type == "cpu" and cfg.optimizer.cpu_embedding_update == "torch":
-        cpu_rowwise_adagrad.install()
-    else:
-        cpu_rowwise_adagrad.uninstall()
+    """Fuse row-wise Adagrad into the tables' backward, plan with the real topology, shard.
+    The step's all-to-alls and DDP's all-reduces run on ``groups`` (the speed-ups layer's),
+    or on the default group."""
+    groups = groups or StepGroups()
     apply_optimizer_in_backward(
         RowWiseAdagrad,
         model.model.sparse_arch.parameters(),
@@ -197,15 +170,12 @@ def shard_model(
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
     dmp = DistributedModelParallel(
         module=model,
-        env=ShardingEnv.from_process_group(step_process_group(env)),
-        data_parallel_wrapper=_DataParallelAcrossRanks(_step_groups(env)[1]),
+        env=ShardingEnv.from_process_group(groups.all_to_all or dist.GroupMember.WORLD),
+        data_parallel_wrapper=_DataParallelAcrossRanks(groups.data_parallel),
         plan=plan,
         sharders=sharders,
         device=env.device,
     )
-    from torchrec_cloud import shm_pooled
-
-    shm_pooled.install(dmp)  # only where an output dist's group is a shared-memory one
     return dmp, plan
 
 
@@ -223,7 +193,7 @@ class _DataParallelAcrossRanks(DefaultDataParallelWrapper):
         if env.world_size > 1:
             super().wrap(dmp, ShardingEnv.from_process_group(self._group) if self._group is not None else env, device)
         else:
-            dmp._dmp_wrapped_module.to(device)
+            compat.wrapped_module(dmp).to(device)
 
 
 def fused_constraints(model: torch.nn.Module) -> dict[str, ParameterConstraints]:
@@ -264,12 +234,3 @@ def _natural(row: tuple[str, ...]) -> tuple:
     name = row[0]
     digits = "".join(ch for ch in name if ch.isdigit())
     return (name.rstrip("0123456789"), int(digits) if digits else 0)
-
-
-def plan_ranks(plan: ShardingPlan) -> dict[str, list[int]]:
-    """Table name -> ranks holding it (all ranks for data-parallel tables)."""
-    out = {}
-    for module_plan in plan.plan.values():
-        for table, ps in module_plan.items():  # type: ignore[union-attr]
-            out[table] = list(ps.ranks) if ps.ranks is not None else []
-    return out

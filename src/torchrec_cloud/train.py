@@ -28,14 +28,13 @@ import torch
 import torch.distributed as dist
 
 from torchrec_cloud import metrics
+from torchrec_cloud.build import build
 from torchrec_cloud.checkpoint import Checkpointer, Position
 from torchrec_cloud.config import JobConfig, add_config_flags, config_from_args
 from torchrec_cloud.data import DataSource, build_data_source
-from torchrec_cloud.distributed import Env, collectives, init_distributed, plan_summary, shard_model
+from torchrec_cloud.distributed import Env, init_distributed, plan_summary
 from torchrec_cloud.evaluation import evaluate
 from torchrec_cloud.metrics import MetricsSink
-from torchrec_cloud.model import build_model
-from torchrec_cloud.optim import WarmupPolyDecay, build_optimizer
 from torchrec_cloud.precision import precision_context
 from torchrec_cloud.preemption import Preemption
 
@@ -43,7 +42,7 @@ from torchrec_cloud.preemption import Preemption
 def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
     """Train ``cfg``; returns the final val/test metrics (the same on every rank)."""
     # -- set up ------------------------------------------------------------------------
-    env = init_distributed(cfg.train.backend, cfg.train.num_threads)
+    env = init_distributed(cfg.train.backend, cfg.train.num_threads, cfg.train.pg_timeout_s)
     torch.manual_seed(cfg.data.seed + env.rank)
     source = source or build_data_source(cfg, env.rank, env.world_size)
     sink = build_sinks(cfg, env)
@@ -53,23 +52,19 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
     from tqdm import tqdm
 
     # -- build -------------------------------------------------------------------------
-    model = build_model(cfg.model, dense_device=env.device)
-    dmp, plan = shard_model(model, cfg, env)
-    optimizer = build_optimizer(dmp, cfg.optimizer)
-    scheduler = WarmupPolyDecay(optimizer, cfg.optimizer)
-    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-
-    pipeline = TrainPipelineSparseDist(dmp, optimizer, env.device, execute_all_batches=True)
+    trainer = build(cfg, env)  # the model, the speed-ups layer, sharding, optimizers, pipeline
+    dmp, optimizer, scheduler, pipeline = trainer.dmp, trainer.optimizer, trainer.scheduler, trainer.pipeline
     if env.is_main:
-        print(f"sharding plan ({env.world_size} rank(s), {env.device.type}, collectives: {collectives(dmp)}):\n"
-              f"{plan_summary(plan)}")  # fmt: skip
+        print(f"sharding plan ({env.world_size} rank(s), {env.device.type}, collectives: {trainer.collectives}):\n"
+              f"{plan_summary(trainer.plan)}")  # fmt: skip
 
     start_record: dict[str, Any] = {
         "event": "start",
         "step": 0,
         "world_size": env.world_size,
         "backend": env.backend,
-        "collectives": collectives(dmp),
+        "collectives": trainer.collectives,
+        "speedups": trainer.speedups.record(),
         "device": env.device.type,
         "threads_per_rank": torch.get_num_threads(),
         "config": cfg.to_dict(),

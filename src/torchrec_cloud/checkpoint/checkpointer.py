@@ -50,7 +50,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from torchrec_cloud import storage
-from torchrec_cloud.checkpoint.dcp import already_staged, dcp_storage, private_copy, set_rng_state, training_state
+from torchrec_cloud.checkpoint.dcp import dcp_storage, private_copy, set_rng_state, training_state
 from torchrec_cloud.checkpoint.store import (
     COMMIT_FILE,
     FORMAT_VERSION,
@@ -62,6 +62,7 @@ from torchrec_cloud.checkpoint.store import (
     newest_complete,
     resolve,
 )
+from torchrec_cloud.compat import already_staged
 from torchrec_cloud.config import ConfigError, JobConfig
 
 if TYPE_CHECKING:  # torch loads only where a command needs it: `checkpoint ls` does not

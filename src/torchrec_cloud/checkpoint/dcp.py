@@ -2,8 +2,8 @@
 
 ``training_state`` is the state dict DCP saves and loads in place; ``dcp_storage`` gives DCP
 a writer or reader for a local folder or a bucket URL (through :mod:`torchrec_cloud.storage`'s
-fsspec client); ``private_copy`` and ``already_staged`` let an asynchronous save write a copy
-that training cannot change. The private DCP and ShardedTensor names used here come from
+fsspec client); ``private_copy`` makes a copy that training cannot change, for an
+asynchronous save. The private DCP and ShardedTensor names used here come from
 :mod:`torchrec_cloud.compat`.
 """
 
@@ -13,7 +13,7 @@ import copy
 import random
 from typing import TYPE_CHECKING, Any
 
-from torchrec_cloud import storage
+from torchrec_cloud import compat, storage
 from torchrec_cloud.checkpoint.store import CheckpointError
 
 if TYPE_CHECKING:  # torch loads only where a command needs it: `checkpoint ls` does not
@@ -69,8 +69,8 @@ def private_copy(state: Any) -> Any:
     Cloning a shard copies only its own rows.
     """
     import torch
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 
+    Shard, ShardedTensor = compat.sharded_tensor_types()
     if isinstance(state, dict):
         return {key: private_copy(value) for key, value in state.items()}
     if isinstance(state, ShardedTensor):
@@ -78,31 +78,10 @@ def private_copy(state: Any) -> Any:
         if local and local[0].tensor.device.type != "cpu":
             return state.to("cpu")  # copies each local shard's rows to host memory
         shards = [Shard(s.tensor.detach().clone(), s.metadata) for s in local]
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            shards, state.metadata(), process_group=state._process_group
-        )
+        return compat.sharded_tensor_like(state, shards)
     if isinstance(state, torch.Tensor):
         return state.detach().to("cpu", copy=True)
     return copy.deepcopy(state)
-
-
-def already_staged():
-    """An AsyncStager for a state dict that is already a private copy (see private_copy)."""
-    from torch.distributed.checkpoint.staging import AsyncStager
-
-    class AlreadyStaged(AsyncStager):
-        _synchronize_after_execute = False
-
-        def stage(self, state_dict):
-            return state_dict
-
-        def synchronize_staging(self) -> None:
-            pass
-
-        def close(self) -> None:
-            pass
-
-    return AlreadyStaged()
 
 
 def dcp_storage(path: str, write: bool):
@@ -116,9 +95,7 @@ def dcp_storage(path: str, write: bool):
     else:
         handle = FileSystemReader(path)
     if storage.is_url(path):
-        from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
-
-        class StorageFileSystem(FsspecFileSystem):
+        class StorageFileSystem(compat.fsspec_filesystem()):
             def init_path(self, p, **kwargs):
                 self.fs, _ = storage.filesystem(str(p))
                 return p
@@ -141,15 +118,4 @@ def read_metadata(path: str):
 def load_full_state(path: str) -> dict[str, Any]:
     """The whole checkpoint as plain, unsharded tensors in this one process (no process
     group): for inspection, tests and export. Keys are DCP's flattened FQNs."""
-    # What torch's dcp_to_torch_save does: an empty state dict that the planner fills from
-    # the checkpoint's own index (the public load() fills only keys it is given).
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    state: dict[str, Any] = {}
-    _load_state_dict(
-        state, storage_reader=dcp_storage(path, write=False), planner=_EmptyStateDictLoadPlanner(), no_dist=True
-    )
-    flat, _ = flatten_state_dict(state)
-    return flat
+    return compat.load_whole(dcp_storage(path, write=False))

@@ -12,7 +12,7 @@ buckets) go through ``/dev/shm``; every other collective goes to a gloo group un
 ``shard_model`` gives it to TorchRec's sharding and to DDP, and :meth:`SharedMemoryProcessGroup.exchange`
 moves the pooled embeddings in their own layout (shm_pooled.py). It is used only where every rank
 can open the others' files (one host, one IPC namespace), the C kernels are built (they hold
-the futex signals) and ``TORCHREC_CLOUD_SHM`` is not ``0``; otherwise gloo as before.
+the futex signals) and ``--shm_collectives`` is on (the default); otherwise gloo as before.
 
 How a collective runs, numbered k = 1, 2, ... in the order the ranks issue them (the same on
 every rank, as for any process group):
@@ -100,7 +100,7 @@ def _create_file(path: str, nbytes: int) -> torch.Tensor:
         raise SharedMemoryError(
             f"cannot reserve {nbytes / 2**20:.1f} MiB in {SHM_DIR} for {path}: {e}. "
             f"Give the container a larger /dev/shm (docker --shm-size, or a memory emptyDir on "
-            f"Kubernetes), or set TORCHREC_CLOUD_SHM=0 to use gloo's TCP."
+            f"Kubernetes), or train with --no-shm_collectives to use gloo's TCP."
         ) from e
     os.close(fd)
     return _open_file(path, nbytes)
@@ -542,8 +542,6 @@ def _create_backend(store, rank, size, timeout):  # called by dist.new_group
 
 def unavailable_reason(world: dist.ProcessGroup) -> Optional[str]:
     """Why this rank cannot use shared memory, or None. Local checks only."""
-    if os.environ.get("TORCHREC_CLOUD_SHM", "1") == "0":
-        return "TORCHREC_CLOUD_SHM=0"
     if dist.get_backend(world) != "gloo":
         return f"backend {dist.get_backend(world)}"
     return host_reason(world.size())
@@ -559,10 +557,10 @@ def host_reason(ranks: int) -> Optional[str]:
     if free < MIN_FREE_PER_RANK * ranks:
         return (f"{SHM_DIR} has {free / 2**20:.0f} MiB free, less than {MIN_FREE_PER_RANK >> 20} MiB per rank "
                 "(docker run --shm-size, or a memory emptyDir on Kubernetes)")
-    from torchrec_cloud import native
+    from torchrec_cloud.speedups import native
 
     if native.library() is None:
-        return "the C kernels are not built"
+        return "the C kernels are not available (not built, or --no-cpu_kernels)"
     return None
 
 
@@ -574,7 +572,7 @@ def _on_every_rank(flag: bool, group: dist.ProcessGroup) -> bool:
 
 def shared_memory_group(timeout: timedelta = timedelta(minutes=30), background: bool = False) -> Optional[dist.ProcessGroup]:
     """A process group over all ranks that uses shared memory, or None where it cannot
-    (ranks on several hosts or IPC namespaces, no /dev/shm, no C kernels, TORCHREC_CLOUD_SHM=0).
+    (ranks on several hosts or IPC namespaces, no /dev/shm, no C kernels).
 
     Collective: every rank calls it, and every rank gets a group or every rank gets None.
     """
@@ -587,7 +585,7 @@ def shared_memory_group(timeout: timedelta = timedelta(minutes=30), background: 
     if not _on_every_rank(reason is None, world):
         why_not = reason or "another rank cannot use it"
         return None
-    from torchrec_cloud import native
+    from torchrec_cloud.speedups import native
 
     gloo = dist.new_group(backend="gloo", timeout=timeout)
     run = [f"p{os.getpid()}-{secrets.token_hex(6)}"] if dist.get_rank() == 0 else [None]

@@ -41,7 +41,7 @@ from torchrec.distributed.dist_data import PooledEmbeddingsAllToAll, PooledEmbed
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist
 from torchrec.distributed.types import Awaitable
 
-from torchrec_cloud.shm_group import SharedMemoryProcessGroup, as_tensor, backend_of, copy
+from torchrec_cloud.speedups.shm_group import SharedMemoryProcessGroup, as_tensor, backend_of, copy
 
 
 class _Exchange:
