@@ -106,12 +106,11 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 def keep_freed_memory() -> None:
     """Keep the step's freed buffers in the process instead of handing them back to the kernel.
 
-    glibc serves each large block (an activation is up to ~14 MB at batch 2048) from a fresh
-    mmap, or trims the heap top once it is free, so every CPU step page-faults its buffers in
-    again: ~10% of a quickstart step on 2 cores. Blocks up to 32 MiB then come from the heap
-    and stay mapped; the peak RSS is unchanged (measured by ``torchrec-cloud bench``). The
-    ``MALLOC_*_`` environment variables, or another allocator, still take precedence.
-    """
+    glibc serves each large block (an activation of a step at the bench's batch is several
+    MB) from a fresh mmap, or trims the heap top once it is free, so every CPU step
+    page-faults its buffers in again. Blocks up to 32 MiB then come from the heap and stay
+    mapped, and the step reuses the same ones; the peak RSS stays that of the largest step.
+    The ``MALLOC_*_`` environment variables, or another allocator, still take precedence."""
     if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
         return
     try:

@@ -65,8 +65,7 @@ def private_copy(state: Any) -> Any:
 
     DCP's default stager deep-copies each ShardedTensor. TorchRec's table shards are views
     into one buffer holding all of a rank's tables, and deep-copying a view copies its whole
-    buffer: once per table (26 x 650 MB for the quickstart model, 30 s instead of 1).
-    Cloning a shard copies only its own rows.
+    buffer, once per table. Cloning a shard copies only its own rows.
     """
     import torch
 

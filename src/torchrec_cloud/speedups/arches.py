@@ -91,16 +91,14 @@ class AlignedLinear(torch.nn.Linear):
     dot interaction) is not a multiple of 8.
 
     cuBLAS's Hopper/Ampere tensor-core GEMMs need 16-byte aligned rows; with odd rows it
-    falls back to slow Turing-era kernels (seen on an H100: the first top-MLP layer took
-    most of the dense time). On a GPU the input and weight are zero-padded per call
-    (same result).
+    falls back to slow Turing-era kernels (on an H100 the first top-MLP layer then took most
+    of the dense time). On a GPU the input and weight are zero-padded per call (same result).
 
-    On a CPU the GEMMs with a row of 415 floats run ~20% slower than with 416 (MKL, 2
-    threads: 7.8 against 6.1 ms for the input's gradient at batch 2048). The dot interaction
-    there writes its rows already padded with zeros (``DotInteraction.pad_to``), and only the
-    weight is padded here: the layer's forward and backward at batch 2048 take 21.3 ms
-    against 23.3. Only the layer after that interaction (``takes_padded_rows``) accepts
-    padded rows; any other input goes through nn.Linear, which rejects a wrong width.
+    On a CPU, MKL also runs the GEMMs of misaligned rows (415 floats) slower than of aligned
+    ones (416). The dot interaction there writes its rows already padded with zeros
+    (``DotInteraction.pad_to``), and only the weight is padded here, which costs less than
+    the misaligned GEMMs. Only the layer after that interaction (``takes_padded_rows``)
+    accepts padded rows; any other input goes through nn.Linear, which rejects a wrong width.
     """
 
     takes_padded_rows = False
@@ -126,9 +124,9 @@ class ReLUPerceptron(Perceptron):
     nn.Linear's addmm first copies the bias into every output row and the GEMM then adds to
     them; the ReLU is another pass, and its backward and the bias's gradient two more. Here
     the GEMM writes a fresh output, one pass adds the bias and applies the ReLU in place, and
-    one pass masks the gradient and sums its columns. At batch 2048 on 2 threads, forward and
-    backward of a 512 -> 256 layer take ~0.3 ms less (12.3-13.6 against 12.5-13.9 ms).
-    Elsewhere (GPU, autocast, another dtype, no C kernels) it is TorchRec's layer.
+    one pass masks the gradient and sums its columns: two passes over the activations
+    instead of four. Elsewhere (GPU, autocast, another dtype, no C kernels) it is TorchRec's
+    layer.
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -177,8 +175,7 @@ class _LinearReLUFn(torch.autograd.Function):
         grad_weight = None
         if ctx.needs_input_grad[1]:
             # MKL runs [out, batch] @ [batch, in] with a narrow input (the dense arch's 13
-            # features) ~2x slower than the transposed product: 0.85 against 0.45 ms at
-            # batch 2048 into 512 on 2 threads.
+            # features) much slower than the transposed product.
             grad_weight = (x.t() @ grad).t().contiguous() if x.shape[1] <= 32 else grad.t() @ x
         return grad_x, grad_weight, grad_bias
 

@@ -1,10 +1,9 @@
 """Row-wise Adagrad in backward for TorchRec's fused tables on CPU, without fbgemm's CPU kernel.
 
 fbgemm's CPU backward (``split_embedding_backward_codegen_rowwise_adagrad_cpu``) loops over
-the tables one by one, sorting each table's ids and opening parallel regions per table:
-at batch 2048 with 26 tables it takes ~1.2 ms per table, most of it fixed cost, and is the
-largest non-matmul item of a CPU training step. This module does the same update for all
-tables at once:
+the tables one by one, sorting each table's ids and opening parallel regions per table, a
+fixed cost per table that made it the largest non-matmul item of a CPU training step. This
+module does the same update for all tables at once:
 
 1. every id becomes a global row of the flat weight buffer (table offset + id), and finds
    its pooled gradient in the ``(B, total_D)`` output gradient (whatever its row stride);
@@ -20,16 +19,17 @@ It writes into the same ``weights_host`` / ``momentum1_host`` tensors that Torch
 sharded modules, optimizer state and checkpoints expose, so nothing outside the update
 changes.
 
-It is installed by :func:`install` as the CPU branch of fbgemm's row-wise Adagrad lookup
-and handles the common case (float32 weights, sum or mean pooling, optional per-sample
-weights, one embedding dim per TBE, no gradient clipping, max-norm or weight decay);
-anything else goes to fbgemm unchanged. ``--cpu_embedding_update fbgemm`` switches it off.
+:func:`install` routes the CPU row-wise Adagrad lookups of a sharded model's TBEs here
+(the speed-ups layer does, unless ``--cpu_embedding_update fbgemm``). It handles the
+common case (float32 weights, sum or mean pooling, optional per-sample weights, one
+embedding dim per TBE, no gradient clipping, max-norm or weight decay); anything else goes
+to fbgemm unchanged.
 
 On the same path the forward lookup runs in ``cpu_kernels.c`` too (:func:`pooled_lookup`):
 all the tables in one parallel region, the samples split between the threads, each thread
 table by table with the rows ahead prefetched (fbgemm's CPU forward opens a region per
-table). At 26 tables x 2048 samples it equals fbgemm's forward on 1 thread and is ~1.5x
-faster on 2 (bench/cpu_kernels_bench.py). It sums each bag's ids in order, as fbgemm does.
+table; bench/cpu_kernels_bench.py times the two). It sums each bag's ids in order, as fbgemm
+does, so its output is fbgemm's bit for bit.
 """
 
 from __future__ import annotations

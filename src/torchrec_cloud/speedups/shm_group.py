@@ -1,15 +1,15 @@
 """All-to-all and all-reduce through shared memory, for CPU ranks on one host.
 
-Gloo moves every collective through loopback TCP. On a 2-core machine, 2 ranks of the
-quickstart model send ~14 MB a step that way, and the kernel's copies and the waits run on the
-cores that train. Measured (8 interleaved pairs of 2-rank runs, batch 2048): a median step of
-143 ms with this group against 155 ms over gloo, faster in 7 of 8 pairs; alone, a 6.8 MB
-all-to-all takes ~2.5 ms against ~5.5 and an 8-byte one ~80 us against ~400.
+Gloo moves every collective through loopback TCP: ranks on one host send each step's pooled
+embeddings, their gradients and DDP's buckets through the kernel's socket buffers, and those
+copies and the waits run on the cores that train. Here each rank writes what it sends once into
+memory the others map, and a futex wakes them.
 
 :func:`shared_memory_group` returns a process group over all ranks whose ``alltoall_base`` (the
 tables' input and pooled-embedding all-to-alls) and single-tensor ``allreduce`` (DDP's gradient
 buckets) go through ``/dev/shm``; every other collective goes to a gloo group underneath.
-``shard_model`` gives it to TorchRec's sharding and to DDP, and :meth:`SharedMemoryProcessGroup.exchange`
+The speed-ups layer gives it to TorchRec's sharding and to DDP (``shard_model``'s groups), and
+:meth:`SharedMemoryProcessGroup.exchange`
 moves the pooled embeddings in their own layout (shm_pooled.py). It is used only where every rank
 can open the others' files (one host, one IPC namespace), the C kernels are built (they hold
 the futex signals) and ``--shm_collectives`` is on (the default); otherwise gloo as before.
@@ -179,9 +179,8 @@ def _aligned(nbytes: int) -> int:
 
 def copy(dst: torch.Tensor, src: torch.Tensor, divisor: int = 1) -> None:
     """dst.copy_(src) for CPU tensors of the same shape and dtype, through numpy where it can:
-    numpy copies a block of rows or columns row by row with memcpy, ~4x faster than torch's
-    strided copy from a block of columns (1.2 against 4.9 ms for 6.8 MB, from DRAM). With a
-    divisor, ``torch.div(src, divisor, out=dst)`` in the same pass: IEEE division, so bitwise
+    numpy copies a block of rows or columns row by row with memcpy, several times faster than
+    torch's strided copy from a block of columns. With a divisor, ``torch.div(src, divisor, out=dst)`` in the same pass: IEEE division, so bitwise
     what ``div_`` gives afterwards."""
     try:
         if divisor == 1:
