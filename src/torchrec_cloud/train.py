@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from torchrec_cloud import metrics
-from torchrec_cloud.build import build
+from torchrec_cloud.build import Trainer, build
 from torchrec_cloud.checkpoint import Checkpointer, Position
 from torchrec_cloud.config import JobConfig, add_config_flags, config_from_args
 from torchrec_cloud.data import DataSource, build_data_source
@@ -58,20 +58,7 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
         print(f"sharding plan ({env.world_size} rank(s), {env.device.type}, collectives: {trainer.collectives}):\n"
               f"{plan_summary(trainer.plan)}")  # fmt: skip
 
-    start_record: dict[str, Any] = {
-        "event": "start",
-        "step": 0,
-        "world_size": env.world_size,
-        "backend": env.backend,
-        "collectives": trainer.collectives,
-        "speedups": trainer.speedups.record(),
-        "device": env.device.type,
-        "threads_per_rank": torch.get_num_threads(),
-        "config": cfg.to_dict(),
-    }
-    if env.is_main:
-        start_record.update(source.facts())  # planted data: bayes_auc
-    sink.log(start_record)
+    sink.log(_start_record(cfg, env, trainer, source))
 
     # -- resume ------------------------------------------------------------------------
     position = Position()
@@ -86,9 +73,7 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
     )
     start_step = step = position.step
     step_context = precision_context(cfg.train.precision, env.device)
-    workers = cfg.data.data_workers
-    if workers is None:
-        workers = min(16, max(1, torch.get_num_threads() - 2)) if env.device.type == "cuda" else 0
+    workers = _data_workers(cfg, env)
     window = _Window()
     last_val: dict[str, float] = {}
     intervals = (cfg.train.eval_every, cfg.checkpoint.checkpoint_interval)
@@ -141,16 +126,7 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
         checkpoints.save(position, dmp, optimizer, scheduler, reason="preempted" if preemption.stop else "end")
     checkpoints.close()
     preemption.close()
-    sink.log(
-        {
-            "event": "end",
-            "step": step,
-            "world_size": env.world_size,
-            "seconds": round(train_seconds, 3),
-            "samples_per_s": trained_steps * cfg.data.batch_size * env.world_size / max(train_seconds, 1e-9),
-            "preempted": preemption.stop,
-        }
-    )
+    sink.log(_end_record(step, trained_steps, train_seconds, cfg, env, preemption.stop))
     sink.close()
     return {
         "step": step,
@@ -162,6 +138,45 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
 
 
 # -- helpers beside the loop ----------------------------------------------------------
+
+
+def _start_record(cfg: JobConfig, env: Env, trainer: Trainer, source: DataSource) -> dict[str, Any]:
+    """The run's first record: where it runs, how the step communicates, what the speed-ups
+    layer applied, the whole config; on rank 0, what the data source knows (``bayes_auc``)."""
+    record: dict[str, Any] = {
+        "event": "start",
+        "step": 0,
+        "world_size": env.world_size,
+        "backend": env.backend,
+        "collectives": trainer.collectives,
+        "speedups": trainer.speedups.record(),
+        "device": env.device.type,
+        "threads_per_rank": torch.get_num_threads(),
+        "config": cfg.to_dict(),
+    }
+    if env.is_main:
+        record.update(source.facts())
+    return record
+
+
+def _end_record(step: int, steps: int, seconds: float, cfg: JobConfig, env: Env, preempted: bool) -> dict[str, Any]:
+    """The run's last record: ``steps`` trained in ``seconds`` (resumed steps not counted)."""
+    return {
+        "event": "end",
+        "step": step,
+        "world_size": env.world_size,
+        "seconds": round(seconds, 3),
+        "samples_per_s": steps * cfg.data.batch_size * env.world_size / max(seconds, 1e-9),
+        "preempted": preempted,
+    }
+
+
+def _data_workers(cfg: JobConfig, env: Env) -> int:
+    """``--data_workers``, or its default: on a GPU the rank's cores less two (at most 16),
+    on a CPU none (the step's own threads use every core)."""
+    if cfg.data.data_workers is not None:
+        return cfg.data.data_workers
+    return min(16, max(1, torch.get_num_threads() - 2)) if env.device.type == "cuda" else 0
 
 
 def build_sinks(cfg: JobConfig, env: Env) -> MetricsSink:
