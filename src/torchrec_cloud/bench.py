@@ -100,7 +100,7 @@ def worker_ours(cfg, steps: int, warmup: int, precision: str = "fp32", profile: 
     env = init_distributed(cfg.train.backend, cfg.train.num_threads, cfg.train.pg_timeout_s)
     torch.manual_seed(env.rank)
     trainer = build(cfg, env)
-    pipeline = trainer.pipeline  # stepped without the schedule: the learning rate stays at its peak
+    pipeline = trainer.pipeline  # the schedule is not stepped: the rate stays at its first step's
     batches = _batches(cfg, env.rank, env.world_size, 16)
     on_gpu = env.device.type == "cuda"
     if on_gpu:  # as a DataLoader with pin_memory=True hands them over: copies overlap compute

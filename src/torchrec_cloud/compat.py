@@ -21,7 +21,7 @@ Two kinds of entries:
 ::
 
     compat.check()          # at start-up: raises for the core, {speed-up: why} for the layer
-    compat.problems()       # {entry name: what is wrong}, every entry
+    compat.problems()       # {entry name: what is wrong}, for the entries a run needs
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import hashlib
 import importlib
 import inspect
 import io
+import linecache
 import textwrap
 import tokenize
 from dataclasses import dataclass
@@ -312,8 +313,11 @@ def _problem(entry: Private) -> Optional[str]:
 
 @functools.lru_cache(maxsize=None)
 def problems() -> dict[str, str]:
-    """``{entry name: what is wrong}`` for every entry that fails here (checked once)."""
-    found = {e.name: _problem(e) for e in PRIVATE}
+    """``{entry name: what is wrong}`` for the entries a run needs that fail here (checked
+    once per process; the tools' entries are checked where a tool uses them, so a run does
+    not import, say, azure-ai-ml)."""
+    found = {e.name: _problem(e) for e in PRIVATE if e.at_start}
+    linecache.clearcache()  # the sources the fingerprints read
     return {name: message for name, message in found.items() if message is not None}
 
 
@@ -333,10 +337,11 @@ def check() -> dict[str, str]:
 
 
 def _need(name_start: str) -> None:
-    """Raise :class:`CompatError` where a tool is about to use an entry that failed."""
+    """Raise :class:`CompatError` where a tool is about to use an entry that fails."""
     for e in PRIVATE:
-        if e.name.startswith(name_start) and e.name in problems():
-            raise CompatError(f"{e.name} ({e.where}) is not as torchrec-cloud uses it: {problems()[e.name]}")
+        problem = _problem(e) if e.name.startswith(name_start) else None
+        if problem is not None:
+            raise CompatError(f"{e.name} ({e.where}) is not as torchrec-cloud uses it: {problem}")
 
 
 # -- accessors: the only way the rest of the code reaches these names -------------------

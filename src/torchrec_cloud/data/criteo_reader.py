@@ -190,10 +190,6 @@ class CriteoSource(DataSource):
     def num_train_batches(self) -> int:
         return self.batches_per_rank
 
-    def train_rows_per_epoch(self) -> int:
-        """Rows used per epoch over all ranks (the rest of the split is left out)."""
-        return self.batches_per_rank * self.world_size * self.batch_size
-
     def train_batches(self, epoch: int, start_batch: int = 0) -> Iterator[Batch]:
         b = self.batch_size
         n = self.batches_per_rank * b  # this rank's rows
