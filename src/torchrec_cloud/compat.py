@@ -15,8 +15,9 @@ Two kinds of entries:
   fbgemm's own path, and the run's ``start`` record says why (``speedups.not_applied``);
 - the rest of the code's (``speedups`` empty): it reaches these names only through the
   accessors below. Where one that a run needs fails, the run stops at start-up with a
-  :class:`CompatError` naming it; entries with ``at_start=False`` serve tools
-  (``checkpoint inspect``, ``submit --cloud azure``) and are checked where those run.
+  :class:`CompatError` naming it. Entries with ``at_start=False`` serve tools and are not
+  checked by a run: ``load_full_state`` (checkpoint inspection) checks its own when called;
+  azure-ai-ml's, which ``deploy/azureml.py`` still reads directly, only tests/test_compat.py.
 
 ::
 
