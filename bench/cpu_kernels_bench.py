@@ -5,8 +5,8 @@
     PYTHONPATH=src python bench/cpu_kernels_bench.py --threads 1 --batch_size 4096 --rounds 30
 
 - the dot interaction, forward and backward: ``cpu_kernels.c`` against the same arithmetic
-  in torch ops (model.DotInteraction's fallback: bmm of the concatenated rows);
-- the tables' pooled lookup: ``cpu_rowwise_adagrad.pooled_lookup`` against fbgemm's CPU
+  in torch ops (speedups.arches.DotInteraction's fallback: bmm of the concatenated rows);
+- the tables' pooled lookup: ``speedups.rowwise_adagrad.pooled_lookup`` against fbgemm's CPU
   forward of the same TBE (one id per bag, ids uniform over each table).
 
 Each round flushes the caches with a pass over 80 MB first (as the MLPs' matmuls do between
@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from torchrec_cloud import cpu_rowwise_adagrad, model, native
+from torchrec_cloud.speedups import arches, native, rowwise_adagrad
 
 
 def _median_ms(fn: Callable[[], object], rounds: int, flush: torch.Tensor) -> float:
@@ -55,14 +55,14 @@ def main() -> None:
     flush = torch.zeros(20 << 20)  # 80 MB
     print(f"batch {b}, {f} tables x {args.rows:,} rows x dim {d}, {args.threads} threads; median ms of {args.rounds}")
 
-    arch = model.InteractionArch(num_sparse_features=f)
-    arch.__class__ = model.DotInteraction
+    arch = arches.InteractionArch(num_sparse_features=f)
+    arch.__class__ = arches.DotInteraction
     arch.init_flat_indices()
     dense = torch.randn(b, d, requires_grad=True)
     sparse = torch.randn(b, f, d, requires_grad=True)
     forwards = {
-        "C kernel": lambda: model._NativeDotInteractionFn.apply(dense, sparse, None),
-        "torch ops": lambda: model._DotInteractionFn.apply(dense, sparse, arch.flat_upper, arch.sym_source),
+        "C kernel": lambda: arches._NativeDotInteractionFn.apply(dense, sparse, None),
+        "torch ops": lambda: arches._DotInteractionFn.apply(dense, sparse, arch.flat_upper, arch.sym_source),
     }
     for name, forward in forwards.items():
         out = forward()
@@ -84,14 +84,13 @@ def main() -> None:
     offsets = torch.arange(f * b + 1)
     weights = tbe.weights_host.view(-1, d)
     row_base = torch.arange(f) * args.rows
-    cpu_rowwise_adagrad.uninstall()
     with torch.no_grad():
         ref = tbe(ids, offsets)
-    ours = cpu_rowwise_adagrad.pooled_lookup(weights, row_base, ids, offsets)
+    ours = rowwise_adagrad.pooled_lookup(weights, row_base, ids, offsets)
     assert torch.equal(ours, ref), "the C lookup should equal fbgemm's bit for bit"
     with torch.no_grad():
         fb = _median_ms(lambda: tbe(ids, offsets), args.rounds, flush)
-    c = _median_ms(lambda: cpu_rowwise_adagrad.pooled_lookup(weights, row_base, ids, offsets), args.rounds, flush)
+    c = _median_ms(lambda: rowwise_adagrad.pooled_lookup(weights, row_base, ids, offsets), args.rounds, flush)
     print(f"pooled lookup,   C kernel   {c:6.2f}  fbgemm's forward {fb:6.2f}")
 
 

@@ -31,9 +31,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from torchrec_cloud import criteo  # noqa: E402
-from torchrec_cloud.criteo_gen import write_criteo_tsv  # noqa: E402
-from torchrec_cloud.criteo_source import CriteoSource  # noqa: E402
+from torchrec_cloud.data import criteo_preprocess  # noqa: E402
+from torchrec_cloud.data.criteo_gen import write_criteo_tsv  # noqa: E402
+from torchrec_cloud.data.criteo_reader import CriteoSource  # noqa: E402
 
 
 def timed(fn) -> float:
@@ -44,12 +44,12 @@ def timed(fn) -> float:
 
 def preprocess(tsv: Path, out: Path, workers: int) -> float:
     """Seconds of ``data preprocess`` (the conversion itself, without interpreter start-up)."""
-    opts = criteo.Options(
+    opts = criteo_preprocess.Options(
         dataset="kaggle", inputs=[str(tsv)], input_sizes=[tsv.stat().st_size], output=str(out),
         num_embeddings_per_feature=[100000] * 26, on_bad_line="error", chunk_bytes=16 << 20,
         rows_per_shard=500_000,
     )
-    return criteo.preprocess(opts, workers=workers, progress=False).seconds
+    return criteo_preprocess.preprocess(opts, workers=workers, progress=False).seconds
 
 
 def torchrec_npy(tsv: Path, tmp: Path) -> float:

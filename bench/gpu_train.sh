@@ -6,7 +6,7 @@ export PYTHONPATH=.gpu/src:/tmp/site PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=LAZY
 python3 - <<'PY'
 import time, torch
 from torchrec_cloud.config import parse_job_config
-from torchrec_cloud.data import SyntheticSource
+from torchrec_cloud.data.synthetic import SyntheticSource
 for kind in ("random", "planted"):
     cfg = parse_job_config(["--preset", "quickstart", "--synthetic", kind, "--batch_size", "65536"])
     s = SyntheticSource(cfg, 0, 1)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.dist_data import PooledEmbeddingsAllToAll
 
-from torchrec_cloud import shm_group, shm_pooled
+from torchrec_cloud.speedups import shm_group, shm_pooled
 
 
 def main() -> None:

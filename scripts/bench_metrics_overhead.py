@@ -13,7 +13,7 @@ import socket
 import time
 import urllib.request
 
-from torchrec_cloud.observability import PrometheusSink
+from torchrec_cloud.metrics.prometheus import PrometheusSink
 
 
 def main(records: int = 20_000, scrapes: int = 50, samples: int = 200) -> None:

@@ -63,9 +63,9 @@ if ! "$VENV/bin/python" -c "import torch, fbgemm_gpu, torchrec, torchrec_cloud" 
 fi
 "$VENV/bin/python" -c "import torch; assert torch.__version__.split('+')[0] == '$TORCH_VERSION', torch.__version__" || {
   echo "install.sh: torch in $VENV is not $TORCH_VERSION; remove $VENV and run again" >&2; exit 1; }
-# The CPU kernels (src/torchrec_cloud/cpu_kernels.c) are compiled for this machine now rather
+# The CPU kernels (src/torchrec_cloud/speedups/cpu_kernels.c) are compiled for this machine now rather
 # than by the first training process; without a C compiler training uses torch ops instead.
-"$VENV/bin/python" -m torchrec_cloud.native >/dev/null \
+"$VENV/bin/python" -m torchrec_cloud.speedups.native >/dev/null \
   || echo "install.sh: CPU kernels not built (see above); CPU training falls back to torch ops" >&2
 echo "$stamp" > "$VENV/.torchrec-cloud-stamp"
 echo "install.sh: done ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

@@ -60,14 +60,12 @@ def storage_root(request, tmp_path, monkeypatch):
 
 
 @pytest.fixture(params=["C kernel", "torch ops"])
-def cpu_kernel_path(request, monkeypatch):
-    """Run a test both ways the CPU step can run: with the C kernels (native.py), and on
-    torch ops as where they cannot be built (``TORCHREC_CLOUD_NATIVE=0``)."""
-    from torchrec_cloud import native
+def cpu_kernel_path(request):
+    """Run a test both ways the CPU step can run: with the C kernels (speedups/native.py), and
+    on torch ops as where they cannot be built (``--no-cpu_kernels``)."""
+    from torchrec_cloud.speedups import native
 
-    if request.param == "torch ops":
-        monkeypatch.setenv("TORCHREC_CLOUD_NATIVE", "0")
-    native.library.cache_clear()
+    native.set_enabled(request.param == "C kernel")
     assert (native.library() is not None) == (request.param == "C kernel")
     yield request.param
-    native.library.cache_clear()
+    native.set_enabled(True)

@@ -28,9 +28,19 @@ TINY = [
 
 def shm_usable(ranks: int = 2) -> bool:
     """Whether ranks on this machine move their collectives through /dev/shm (shm_group.py)."""
-    from torchrec_cloud import shm_group
+    from torchrec_cloud.speedups import shm_group
 
     return shm_group.host_reason(ranks) is None
+
+
+def with_speedups(model, device: str = "cpu"):
+    """A built model with the speed-ups layer's arches and layers, as a run on ``device`` has it."""
+    import torch
+
+    from torchrec_cloud.speedups import Speedups
+
+    Speedups.for_model(torch.device(device)).apply_to_model(model)
+    return model
 
 
 def free_port() -> int:

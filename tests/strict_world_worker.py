@@ -32,7 +32,8 @@ def main() -> None:
         out["world_rejects_cpu"] = "No backend type associated with device type cpu" in str(e)
 
     from torchrec_cloud import comm
-    from torchrec_cloud.checkpoint import Checkpointer, Preemption, _agree
+    from torchrec_cloud.checkpoint.checkpointer import Checkpointer, _agree
+    from torchrec_cloud.preemption import Preemption
     from torchrec_cloud.config import JobConfig
     from torchrec_cloud.distributed import init_distributed
     from torchrec_cloud.train import _Window, agreed_batches

@@ -65,7 +65,7 @@ def test_dot_interaction_trains_under_bf16_autocast():
     import torch
     from torchrec.models.dlrm import InteractionArch
 
-    from torchrec_cloud.model import DotInteraction
+    from torchrec_cloud.speedups.arches import DotInteraction
 
     torch.manual_seed(0)
     arch = InteractionArch(num_sparse_features=5)

@@ -1,4 +1,5 @@
-"""The CPU row-wise Adagrad update does what fbgemm's own kernel does, inside a TBE and in training."""
+"""The CPU row-wise Adagrad update (speedups/rowwise_adagrad.py) does what fbgemm's own kernel
+does, inside a TBE and in training."""
 
 import copy
 
@@ -13,13 +14,8 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 )
 
 from helpers import PYTHON, TINY, evals, explain, read_metrics, run
-from torchrec_cloud import cpu_rowwise_adagrad, native
-
-
-@pytest.fixture
-def restore_fbgemm():
-    yield
-    cpu_rowwise_adagrad.uninstall()
+from torchrec_cloud.speedups import native
+from torchrec_cloud.speedups import rowwise_adagrad
 
 
 @pytest.mark.parametrize(
@@ -33,7 +29,7 @@ def restore_fbgemm():
     ],
     ids=["one-hot", "multi-hot with empty bags", "weighted", "mean pooling", "long weighted bags"],
 )
-def test_update_matches_fbgemm_kernel(restore_fbgemm, cpu_kernel_path, max_bag, weighted, pooling, dim):
+def test_update_matches_fbgemm_kernel(cpu_kernel_path, max_bag, weighted, pooling, dim):
     """Forward (the C lookup) and update (the C row-wise Adagrad) against fbgemm's CPU kernels."""
     torch.manual_seed(0)
     sizes, batch = [50, 30, 40], 16
@@ -42,6 +38,7 @@ def test_update_matches_fbgemm_kernel(restore_fbgemm, cpu_kernel_path, max_bag, 
         specs, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.3, eps=1e-3, pooling_mode=pooling
     )
     ref = copy.deepcopy(ours)
+    assert rowwise_adagrad.install(ours) == 1  # this TBE only: ref stays fbgemm's
     for step in range(3):
         lengths = torch.randint(0 if max_bag > 1 else 1, max_bag + 1, (len(sizes) * batch,))
         offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
@@ -50,10 +47,9 @@ def test_update_matches_fbgemm_kernel(restore_fbgemm, cpu_kernel_path, max_bag, 
         weights = torch.rand(ids.numel()) if weighted else None
         grad = torch.randn(batch, len(sizes) * dim)
 
-        cpu_rowwise_adagrad.uninstall()
         out_ref = ref(ids, offsets, per_sample_weights=weights)
+        assert "RowwiseAdagrad" not in type(out_ref.grad_fn).__name__
         out_ref.backward(grad)
-        cpu_rowwise_adagrad.install()
         out = ours(ids, offsets, per_sample_weights=weights)
         assert out.grad_fn is not None and "RowwiseAdagrad" in type(out.grad_fn).__name__
         out.backward(grad)
@@ -76,7 +72,7 @@ def test_an_id_outside_the_tables_is_refused_before_any_row_changes(cpu_kernel_p
     ids = torch.tensor([3, 1, 15, 2])  # bags feature-major: two per feature, one id each
     offsets = torch.arange(5)
     with pytest.raises(IndexError):
-        cpu_rowwise_adagrad.rowwise_adagrad_update(
+        rowwise_adagrad.rowwise_adagrad_update(
             weights, momentum, torch.tensor([0, 10]), ids, offsets, torch.randn(2, 8), lr=0.1, eps=1e-8
         )
     assert torch.equal(weights, before) and not momentum.any()
@@ -88,14 +84,14 @@ def test_offsets_that_do_not_cover_the_ids_are_refused_before_any_row_changes(cp
     weights, momentum = torch.randn(20, 4), torch.zeros(20)
     before = weights.clone()
     with pytest.raises(ValueError, match="the 5 bag offsets must run from 0 to the 4 ids"):
-        cpu_rowwise_adagrad.rowwise_adagrad_update(
+        rowwise_adagrad.rowwise_adagrad_update(
             weights, momentum, torch.tensor([0, 10]), torch.tensor([3, 1, 5, 2]), torch.tensor(offsets),
             torch.randn(2, 8), lr=0.1, eps=1e-8,
         )  # fmt: skip
     assert torch.equal(weights, before) and not momentum.any()
 
 
-def test_lookup_equals_fbgemm_forward_bit_for_bit_and_refuses_ids_outside_the_tables(restore_fbgemm):
+def test_lookup_equals_fbgemm_forward_bit_for_bit_and_refuses_ids_outside_the_tables():
     """Weighted bags with mean pooling (both scalings) of up to 100 ids, against fbgemm's CPU
     forward. (fbgemm's CPU *update* for that combination is not the gradient of its forward,
     so the update test above leaves it out.)"""
@@ -108,25 +104,27 @@ def test_lookup_equals_fbgemm_forward_bit_for_bit_and_refuses_ids_outside_the_ta
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     ids = torch.randint(0, 300, (int(lengths.sum()),))
     weights = torch.rand(ids.numel())
-    cpu_rowwise_adagrad.uninstall()
-    with torch.no_grad():
+    with torch.no_grad():  # fbgemm's own forward: the TBE is not installed
         ref = tbe(ids, offsets, per_sample_weights=weights)
     flat = tbe.weights_host.view(-1, dim)
-    out = cpu_rowwise_adagrad.pooled_lookup(flat, torch.tensor([0, 500]), ids, offsets, weights, mean_pooling=True)
+    out = rowwise_adagrad.pooled_lookup(flat, torch.tensor([0, 500]), ids, offsets, weights, mean_pooling=True)
     assert torch.equal(out, ref), (out - ref).abs().max()
 
     ids = torch.tensor([3, 1, 301, 2])  # two features of 500 and 300 rows; 301 of the second is row 801
     with pytest.raises(IndexError, match="outside the 800 rows"):
-        cpu_rowwise_adagrad.pooled_lookup(flat, torch.tensor([0, 500]), ids, torch.arange(5))
+        rowwise_adagrad.pooled_lookup(flat, torch.tensor([0, 500]), ids, torch.arange(5))
 
 
-def test_eval_without_grad_goes_to_fbgemm(restore_fbgemm):
+def test_eval_without_grad_goes_to_fbgemm():
     specs = [(20, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)] * 2
     tbe = SplitTableBatchedEmbeddingBagsCodegen(specs, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
-    cpu_rowwise_adagrad.install()
+    rowwise_adagrad.install(tbe)
     with torch.no_grad():
         out = tbe(torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 2, 3, 4]))
     assert out.shape == (2, 8) and out.grad_fn is None
+    rowwise_adagrad.uninstall(tbe)
+    out = tbe(torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 2, 3, 4]))
+    assert "RowwiseAdagrad" not in type(out.grad_fn).__name__  # fbgemm's again
 
 
 def test_training_with_either_update_gives_the_same_model(tmp_path):

@@ -16,10 +16,10 @@ import torch
 from torchrec_cloud import storage
 from torchrec_cloud.cli import main
 from torchrec_cloud.config import ConfigError, parse_job_config
-from torchrec_cloud.criteo import record_dtype
-from torchrec_cloud.criteo_gen import format_lines, generate, write_criteo_tsv
-from torchrec_cloud.criteo_source import CriteoSource, build_criteo_source
-from torchrec_cloud.multihot import expand_multi_hot
+from torchrec_cloud.data.criteo_format import record_dtype
+from torchrec_cloud.data.criteo_gen import format_lines, generate, write_criteo_tsv
+from torchrec_cloud.data.criteo_reader import CriteoSource, build_criteo_source
+from torchrec_cloud.data.multihot import expand_multi_hot
 
 SIZES = [97, 1000, 5, 20000, 333] + [1000] * 21
 
@@ -438,7 +438,7 @@ def test_parser_reads_fields_as_python_int_does():
     """Every field the fast parser accepts has the value Python's int() gives it, and it
     rejects exactly the fields int() (decimal) or int(x, 16) (hex) would not take as plain
     digits; long fields (beyond 8 characters) take the general path."""
-    from torchrec_cloud.criteo import _parse_numbers, _parse_swar
+    from torchrec_cloud.data.criteo_parse import _parse_numbers, _parse_swar
 
     rng = np.random.default_rng(0)
     alphabet = list("0123456789abcdefABCDEF-x .g")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from torchrec_cloud import storage
 from torchrec_cloud.cli import main
-from torchrec_cloud.criteo_gen import write_criteo_tsv
+from torchrec_cloud.data.criteo_gen import write_criteo_tsv
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable

@@ -4,10 +4,11 @@ import pytest
 import torch
 from torchrec.models import dlrm
 
+from helpers import with_speedups
 from torchrec_cloud.config import OptimizerConfig, parse_job_config
-from torchrec_cloud.data import SyntheticSource
-from torchrec_cloud.distributed import WarmupPolyDecay
+from torchrec_cloud.data.synthetic import SyntheticSource
 from torchrec_cloud.model import build_model, table_configs
+from torchrec_cloud.optim import WarmupPolyDecay
 
 SMALL = ["--num_embeddings", "50", "--embedding_dim", "8", "--dense_arch_layer_sizes", "16,8",
          "--over_arch_layer_sizes", "16,1", "--batch_size", "32"]  # fmt: skip
@@ -19,7 +20,9 @@ def test_interactions_build_with_tables_on_meta(interaction, cls):
     extra += ["--interaction_branch1_layer_sizes", "16,16", "--interaction_branch2_layer_sizes", "16,16"]
     cfg = parse_job_config(SMALL + ["--interaction", interaction] + extra)
     model = build_model(cfg.model, dense_device=torch.device("cpu"))
-    # TorchRec's class of that interaction, with the tables' lookup started first (model._SparseFirst)
+    assert type(model.model) is getattr(dlrm, cls)  # TorchRec's, until the speed-ups layer converts it
+    with_speedups(model)
+    # TorchRec's class of that interaction, with the tables' lookup started first (arches._SparseFirst)
     assert type(model.model).__name__ == f"SparseFirst{cls}"
     assert type(model.model).__bases__[-1] is getattr(dlrm, cls)
     tables = list(model.model.sparse_arch.embedding_bag_collection.parameters())
@@ -97,7 +100,7 @@ def test_planted_labels_follow_the_teacher_and_random_ones_do_not():
 def test_fast_arches_match_torchrec_forward_and_backward():
     from torchrec.models.dlrm import InteractionArch
 
-    from torchrec_cloud.model import DotInteraction
+    from torchrec_cloud.speedups.arches import DotInteraction
 
     torch.manual_seed(0)
     f, d, b = 5, 4, 7
@@ -120,19 +123,22 @@ def test_fast_arches_match_torchrec_forward_and_backward():
 
 def test_built_model_keeps_torchrec_parameter_names():
     cfg = parse_job_config(SMALL)
-    names = [n for n, _ in build_model(cfg.model, dense_device=torch.device("cpu")).named_parameters()]
-    assert "model.sparse_arch.embedding_bag_collection.embedding_bags.t_cat_0.weight" in names
-    assert any(n.startswith("model.over_arch.") for n in names)
+    model = build_model(cfg.model, dense_device=torch.device("cpu"))
+    names = [(n, p.shape) for n, p in model.named_parameters()]
+    assert "model.sparse_arch.embedding_bag_collection.embedding_bags.t_cat_0.weight" in dict(names)
+    assert any(n.startswith("model.over_arch.") for n, _ in names)
+    # The speed-ups layer changes classes, not parameters: checkpoints load either way.
+    assert [(n, p.shape) for n, p in with_speedups(model).named_parameters()] == names
 
 
 def test_misaligned_first_layers_pad_on_gpu_only_and_keep_their_parameters():
     # 13 dense features and the 415-wide dot-interaction output: padded to 16 and 416 on a
     # GPU (fast cuBLAS kernels), the same nn.Linear on a CPU for inputs of in_features columns
     # (test_native.py: the CPU interaction's rows that arrive padded); shapes and names unchanged.
-    from torchrec_cloud.model import AlignedLinear, aligned_linear
+    from torchrec_cloud.speedups.arches import AlignedLinear, aligned_linear
 
     cfg = parse_job_config(["--embedding_dim", "64", "--num_embeddings", "50"])
-    dlrm = build_model(cfg.model, dense_device=torch.device("cpu")).model
+    dlrm = with_speedups(build_model(cfg.model, dense_device=torch.device("cpu"))).model
     first_dense = dlrm.dense_arch.model._mlp[0]._linear
     first_over = next(m for m in dlrm.over_arch.modules() if isinstance(m, torch.nn.Linear))
     assert type(first_dense) is AlignedLinear and first_dense.weight.shape == (512, 13)

@@ -19,7 +19,8 @@ import yaml
 from observed_run import PrometheusServer, free_port, prometheus_binary
 
 from torchrec_cloud.config import ConfigError
-from torchrec_cloud.observability import PrometheusSink, monitoring_clouds, monitoring_profile
+from torchrec_cloud.deploy.monitoring import monitoring_clouds, monitoring_profile
+from torchrec_cloud.metrics.prometheus import PrometheusSink
 
 # Kubernetes IANA_SVC_NAME: what a named container port may be called.
 PORT_NAME = re.compile(r"^(?=.*[a-z])[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?$")
@@ -33,11 +34,14 @@ def test_three_clouds_and_any_cluster_have_profiles() -> None:
     assert [c["containerPort"] for c in p.container_ports] == [29600, 29601]
 
 
-def test_undeclared_ports_are_scraped_by_number_where_the_collector_allows() -> None:
-    """A TrainJob pod cannot declare container ports: Managed Prometheus gets numbers."""
-    p = monitoring_profile("gcp", job_name="j", port=29600, nproc_per_node=3, ports_declared=False)
-    (monitor,) = p.manifests
-    assert [e["port"] for e in monitor["spec"]["endpoints"]] == [29600, 29601, 29602]
+def test_cluster_wide_collector_configuration_only_on_request() -> None:
+    """The CloudWatch agent's ConfigMaps configure it for every job of the cluster."""
+    p = monitoring_profile("aws", job_name="j", port=29600, nproc_per_node=2, cluster_wide=False)
+    assert p.manifests == [] and "--cluster_monitoring" in p.note
+    assert [c["containerPort"] for c in p.container_ports] == [29600, 29601]  # the pods still say where
+    assert [m["kind"] for m in monitoring_profile("aws", job_name="j", port=29600).manifests] == ["ConfigMap"] * 2
+    # Namespaced collectors' objects are the job's own: always rendered.
+    assert monitoring_profile("gcp", job_name="j", port=29600, cluster_wide=False).manifests
 
 
 @pytest.mark.parametrize("cloud", ["aws", "azure", "gcp"])

@@ -1,16 +1,18 @@
-"""The C dot interaction (cpu_kernels.c) computes what TorchRec's InteractionArch does, and
-training falls back to torch ops, with a warning, where no C compiler is available."""
+"""The C dot interaction (speedups/cpu_kernels.c) computes what TorchRec's InteractionArch does,
+and training falls back to torch ops, with a warning, where no C compiler is available."""
 
 import pytest
 import torch
 from torchrec.models.dlrm import InteractionArch
 
-from torchrec_cloud import model, native
+from helpers import with_speedups
+from torchrec_cloud import model
+from torchrec_cloud.speedups import arches, native
 
 
-def _fast(f: int) -> model.DotInteraction:
+def _fast(f: int) -> arches.DotInteraction:
     arch = InteractionArch(num_sparse_features=f)
-    arch.__class__ = model.DotInteraction
+    arch.__class__ = arches.DotInteraction
     arch.init_flat_indices()
     return arch
 
@@ -137,7 +139,7 @@ def test_sparse_first_forward_equals_torchrec_forward(interaction):
             "--over_arch_layer_sizes", "16,1", "--interaction", interaction, "--dcn_low_rank_dim", "4",
             "--interaction_branch1_layer_sizes", "16,16", "--interaction_branch2_layer_sizes", "16,16"]  # fmt: skip
     cfg = parse_job_config(args)
-    m = model.build_model(cfg.model, dense_device=torch.device("cpu"))
+    m = with_speedups(model.build_model(cfg.model, dense_device=torch.device("cpu")))
     m.model.sparse_arch.embedding_bag_collection.to_empty(device="cpu")
     for p in m.model.sparse_arch.embedding_bag_collection.parameters():
         torch.nn.init.normal_(p)
@@ -165,7 +167,7 @@ def _tiny_cpu_model(over_arch_layer_sizes: str, b: int = 6):
 
     cfg = parse_job_config(["--num_embeddings", "40", "--embedding_dim", "8", "--dense_arch_layer_sizes", "16,8",
                             "--over_arch_layer_sizes", over_arch_layer_sizes])  # fmt: skip
-    m = model.build_model(cfg.model, dense_device=torch.device("cpu"))
+    m = with_speedups(model.build_model(cfg.model, dense_device=torch.device("cpu")))
     m.model.sparse_arch.embedding_bag_collection.to_empty(device="cpu")
     for p in m.model.sparse_arch.embedding_bag_collection.parameters():
         torch.nn.init.normal_(p)
@@ -186,8 +188,8 @@ def test_padded_rows_hold_the_same_values_and_the_pad_takes_no_gradient(b, f, d,
     width = d + (f + 1) * f // 2
     dense = torch.randn(b, d, requires_grad=True)
     sparse = torch.randn(b, f, d, requires_grad=True)
-    plain = model._NativeDotInteractionFn.apply(dense, sparse, None)
-    out = model._NativeDotInteractionFn.apply(dense, sparse, None, pad_to)
+    plain = arches._NativeDotInteractionFn.apply(dense, sparse, None)
+    out = arches._NativeDotInteractionFn.apply(dense, sparse, None, pad_to)
     assert plain.shape == (b, width) and out.shape == (b, padded)
     assert torch.equal(out[:, :width], plain)
     assert torch.equal(out[:, width:], torch.zeros(b, padded - width))
@@ -208,7 +210,7 @@ def test_cpu_model_feeds_the_over_arch_padded_rows_with_the_same_result(cpu_kern
     b = dense.shape[0]
     first_over = next(x for x in m.model.over_arch.modules() if isinstance(x, torch.nn.Linear))
     width = 8 + 27 * 26 // 2  # 359
-    assert type(first_over) is model.AlignedLinear and first_over.weight.shape == (16, width)
+    assert type(first_over) is arches.AlignedLinear and first_over.weight.shape == (16, width)
     assert m.model.inter_arch.pad_to == 8
     seen = []  # what the layer (its Perceptron: linear and ReLU) is handed
     m.model.over_arch.model[0]._mlp[0].register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape[1]))
@@ -221,7 +223,7 @@ def test_cpu_model_feeds_the_over_arch_padded_rows_with_the_same_result(cpu_kern
     # Only rows from the interaction are taken padded: the dense arch's first layer (13 inputs)
     # still rejects 16 columns instead of reading them with a padded weight.
     first_dense = m.model.dense_arch.model._mlp[0]._linear
-    assert type(first_dense) is model.AlignedLinear
+    assert type(first_dense) is arches.AlignedLinear
     for layer in (first_dense, m.model.dense_arch.model._mlp[0]):
         with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
             layer(torch.randn(b, 16))
@@ -253,7 +255,7 @@ def test_relu_layer_matches_torch(b, i, o, threads):
     torch.set_num_threads(threads)
     try:
         results = []
-        for cls in (Perceptron, model.ReLUPerceptron):
+        for cls in (Perceptron, arches.ReLUPerceptron):
             layer.__class__ = cls
             y = layer(x)
             results.append((y, *torch.autograd.grad(y, (x, *layer.parameters()), grad)))
@@ -276,7 +278,7 @@ def test_cpu_model_layers_use_the_c_relu_with_the_same_result(cpu_kernel_path):
     torch.manual_seed(8)
     m, dense, kjt, params = _tiny_cpu_model("16,8,1")
     layers = [x for x in m.model.modules() if isinstance(x, Perceptron)]
-    assert len(layers) == 4 and all(type(x) is model.ReLUPerceptron for x in layers)
+    assert len(layers) == 4 and all(type(x) is arches.ReLUPerceptron for x in layers)
     kinds = []
     for layer in layers:
         layer.register_forward_hook(lambda mod, args, out: kinds.append(type(out.grad_fn).__name__))

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from helpers import PYTHON, TINY, explain, read_metrics, run
-from torchrec_cloud.data import prefetched
+from torchrec_cloud.data.prefetch import prefetched
 
 
 def _threads() -> int:
@@ -63,7 +63,7 @@ def test_training_with_data_workers_is_the_same_training(tmp_path):
     script.write_text(
         "import sys\n"
         "from torchrec_cloud.config import parse_job_config\n"
-        "from torchrec_cloud.data import SyntheticSource\n"
+        "from torchrec_cloud.data.synthetic import SyntheticSource\n"
         "from torchrec_cloud.train import run\n"
         "class NotSynthetic:\n"  # any other DataSource: read ahead by one thread
         "    def __init__(self, inner): self.inner = inner\n"
@@ -95,8 +95,7 @@ def test_worker_processes_make_what_the_source_says(tmp_path):
     # `train`'s choice of batches with 2 worker processes, for the plain source and for
     # subclasses that change which batches a rank trains on in either of the two ways.
     from torchrec_cloud.config import parse_job_config
-    from torchrec_cloud.data import SyntheticSource
-    from torchrec_cloud.train import _train_batches
+    from torchrec_cloud.data.synthetic import SyntheticSource
 
     cfg = parse_job_config([*TINY, "--num_batches_per_epoch", "6", "--output_dir", str(tmp_path)])
 
@@ -112,6 +111,6 @@ def test_worker_processes_make_what_the_source_says(tmp_path):
             return super().train_indices(epoch, start_batch)[::2]
 
     for source, expected in ((SyntheticSource(cfg, 0, 1), 5), (FirstThree(cfg, 0, 1), 3), (EveryOther(cfg, 0, 1), 3)):
-        made = _labels(_train_batches(source, epoch=1, first=1, workers=2, pin=False))
+        made = _labels(source.train_batches_ahead(1, 1, workers=2, pin=False))
         assert len(made) == expected, type(source).__name__
         assert made == _labels(source.train_batches(1, 1)), type(source).__name__

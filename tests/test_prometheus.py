@@ -17,7 +17,8 @@ import pytest
 from observed_run import free_port, http_get, observed_run, prometheus_binary
 
 from torchrec_cloud.config import ConfigError, parse_job_config
-from torchrec_cloud.observability import PrometheusSink, build_sinks
+from torchrec_cloud.metrics import build_sinks
+from torchrec_cloud.metrics.prometheus import PrometheusSink
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
@@ -206,7 +207,7 @@ def test_prometheus_scrapes_every_rank_of_a_training_run(tmp_path_factory) -> No
     ],
 )
 def test_each_rank_watches_its_own_gpu(monkeypatch, visible, local_rank, expected) -> None:
-    from torchrec_cloud.observability import _nvml_device_index
+    from torchrec_cloud.metrics.system import _nvml_device_index
 
     if visible is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

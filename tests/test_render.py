@@ -492,7 +492,7 @@ def test_a_prometheus_port_among_the_training_flags_moves_every_scrape_target():
 def test_monitoring_data_has_one_home():
     """The per-cloud scrape data lives in monitoring_profiles.yaml.j2 only: the deployment
     profiles name an entry of it, and no deploy file spells a collector's API."""
-    from torchrec_cloud.observability import monitoring_clouds
+    from torchrec_cloud.deploy.monitoring import monitoring_clouds
 
     for cloud in CLOUDS:
         assert load_profile(cloud).monitoring["profile"] in monitoring_clouds()

@@ -1,4 +1,4 @@
-"""The shared-memory process group (shm_group.py) gives what gloo gives, on real torchrun ranks:
+"""The shared-memory process group (speedups/shm_group.py) gives what gloo gives, on real torchrun ranks:
 the same all-to-all bytes and all-reduce sums, also with many collectives in flight; DDP and
 training through it end where they end through gloo; a rank that stops answering is named in
 an error; where the ranks cannot share files, every rank stays on gloo."""
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not shm_usable(), reason="needs 512 MiB free in 
 COLLECTIVES = r"""
 import os, sys
 import torch, torch.distributed as dist
-from torchrec_cloud import shm_group
+from torchrec_cloud.speedups import shm_group
 
 dist.init_process_group("gloo")
 torch.set_num_threads(1)
@@ -149,7 +149,7 @@ STALLED = r"""
 import sys
 from datetime import timedelta
 import torch, torch.distributed as dist
-from torchrec_cloud import shm_group
+from torchrec_cloud.speedups import shm_group
 
 dist.init_process_group("gloo")
 g = shm_group.shared_memory_group(timeout=timedelta(seconds=2))
@@ -176,8 +176,10 @@ def test_a_rank_that_never_joins_is_named_after_the_timeout(tmp_path):
 SEPARATE = r"""
 import os, sys
 import torch.distributed as dist
-from torchrec_cloud import shm_group
-from torchrec_cloud.distributed import Env, step_process_group
+from torchrec_cloud import speedups
+from torchrec_cloud.config import parse_job_config
+from torchrec_cloud.distributed import Env
+from torchrec_cloud.speedups import shm_group
 import torch
 
 dist.init_process_group("gloo")
@@ -187,15 +189,16 @@ if os.environ.get("SEPARATE_DIRS"):  # as two containers with their own /dev/shm
 if os.environ.get("SMALL_SHM") == str(dist.get_rank()):  # as Docker's default 64 MiB, on one rank
     shm_group.MIN_FREE_PER_RANK = 1 << 60
 env = Env(dist.get_rank(), 2, dist.get_rank(), 2, torch.device("cpu"), "gloo")
-g = step_process_group(env)
-sys.stdout.write(f"GROUP {dist.get_backend(g)} {shm_group.why_not}\n")
+layer = speedups.prepare(parse_job_config([]), env)
+g = layer.step_groups.all_to_all or dist.GroupMember.WORLD
+sys.stdout.write(f"GROUP {dist.get_backend(g)} {layer.not_applied.get('shm_collectives')}\n")
 dist.destroy_process_group()
 """
 
 
 @pytest.mark.parametrize("env, expected, why", [
     ({}, "torchrec_cloud_shm", "None"),
-    ({"TORCHREC_CLOUD_SHM": "0"}, "gloo", "TORCHREC_CLOUD_SHM=0"),
+    ({"TORCHREC_CLOUD_SHM": "0"}, "gloo", "--no-shm_collectives"),  # the environment sets the flag's default
     ({"SEPARATE_DIRS": "1"}, "gloo", "cannot open each other's files"),
     ({"SMALL_SHM": "1"}, "gloo", None),  # rank 1 says why; rank 0 that another rank cannot
 ])  # fmt: skip

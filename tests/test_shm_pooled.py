@@ -1,4 +1,4 @@
-"""The pooled-embedding all-to-all over shared memory (shm_pooled.py) gives, bitwise, the output
+"""The pooled-embedding all-to-all over shared memory (speedups/shm_pooled.py) gives, bitwise, the output
 and gradients of TorchRec's own PooledEmbeddingsAllToAll, on 3 real torchrun ranks with uneven
 batches and dims (one rank without tables), several in flight, bfloat16, callbacks and no_grad;
 and the trainer's sharded model uses it."""
@@ -13,7 +13,7 @@ SCRIPT = r"""
 import sys
 import torch, torch.distributed as dist
 from torchrec.distributed.dist_data import PooledEmbeddingsAllToAll
-from torchrec_cloud import shm_group, shm_pooled
+from torchrec_cloud.speedups import shm_group, shm_pooled
 
 dist.init_process_group("gloo")
 torch.set_num_threads(1)
@@ -60,13 +60,13 @@ for case, (dims, batches, dtype, callbacks) in enumerate([
 # The trainer's sharded model: its table-wise and column-wise output dists use it.
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist
 from torchrec_cloud.config import parse_job_config
-from torchrec_cloud.distributed import Env, shard_model
-from torchrec_cloud.model import build_model
+from torchrec_cloud.build import build
+from torchrec_cloud.distributed import Env
 
 cfg = parse_job_config(["--num_embeddings", "100", "--embedding_dim", "8", "--dense_arch_layer_sizes", "16,8",
                         "--over_arch_layer_sizes", "16,1", "--batch_size", "24"])
 env = Env(rank, n, rank, n, torch.device("cpu"), "gloo")
-dmp, _ = shard_model(build_model(cfg.model, env.device), cfg, env)
+dmp = build(cfg, env).dmp
 dists = [d for m in dmp.modules() for d in getattr(m, "_output_dists", None) or () if isinstance(d, TwPooledEmbeddingDist)]
 assert dists and all(isinstance(d._dist, shm_pooled.SharedMemoryPooledAllToAll) for d in dists), dists
 sys.stdout.write(f"OK rank {rank}: {checked} cases, {len(dists)} output dist(s)\n")

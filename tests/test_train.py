@@ -116,7 +116,7 @@ def test_ranks_with_unequal_batch_counts_stop_together(tmp_path):
     script.write_text(
         "import sys\n"
         "from torchrec_cloud.config import parse_job_config\n"
-        "from torchrec_cloud.data import SyntheticSource\n"
+        "from torchrec_cloud.data.synthetic import SyntheticSource\n"
         "from torchrec_cloud.train import run\n"
         "import torch.distributed as dist, os\n"
         "class Uneven(SyntheticSource):\n"

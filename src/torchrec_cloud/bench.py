@@ -37,7 +37,7 @@ import resource
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -51,7 +51,7 @@ def _peak_rss_mb() -> float:
 
 
 def _batches(cfg, rank: int, world_size: int, count: int) -> list:
-    from torchrec_cloud.data import SyntheticSource
+    from torchrec_cloud.data.synthetic import SyntheticSource
 
     source = SyntheticSource(cfg, rank, world_size)
     return [source.make_batch("train", i * world_size + rank) for i in range(count)]
@@ -91,19 +91,17 @@ def _profile_summary(prof, rows: int = 30) -> str:
 
 def worker_ours(cfg, steps: int, warmup: int, precision: str = "fp32", profile: str | None = None) -> dict[str, Any]:
     import torch.distributed as dist
-    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
     from torchrec_cloud import comm
-    from torchrec_cloud.distributed import build_optimizer, collectives, init_distributed, shard_model
-    from torchrec_cloud.model import build_model
+    from torchrec_cloud.build import build
+    from torchrec_cloud.distributed import init_distributed
     from torchrec_cloud.train import quiet_library_warnings
 
     quiet_library_warnings()
-    env = init_distributed(cfg.train.backend, cfg.train.num_threads)
+    env = init_distributed(cfg.train.backend, cfg.train.num_threads, cfg.train.pg_timeout_s)
     torch.manual_seed(env.rank)
-    dmp, _ = shard_model(build_model(cfg.model, env.device), cfg, env)
-    optimizer = build_optimizer(dmp, cfg.optimizer)
-    pipeline = TrainPipelineSparseDist(dmp, optimizer, env.device, execute_all_batches=True)
+    trainer = build(cfg, env)
+    pipeline = trainer.pipeline  # the schedule is not stepped: the rate stays at its first step's
     batches = _batches(cfg, env.rank, env.world_size, 16)
     on_gpu = env.device.type == "cuda"
     if on_gpu:  # as a DataLoader with pin_memory=True hands them over: copies overlap compute
@@ -137,21 +135,9 @@ def worker_ours(cfg, steps: int, warmup: int, precision: str = "fp32", profile: 
     seconds = time.perf_counter() - start
     done = steps
     if profile:
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as torch_profile
-
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-        with torch_profile(activities=activities) as prof:
-            t0 = time.perf_counter()
-            run(profile_steps)
-            profiled = time.perf_counter() - t0
-        if env.rank == 0:
-            with open(profile, "w") as f:
-                f.write(f"{profile_steps} steps, batch {cfg.data.batch_size}, precision {precision}: "
-                        f"{seconds / steps * 1e3:.2f} ms/step timed without the profiler, "
-                        f"{profiled * 1e3:.2f} ms for all {profile_steps} under it\n")  # fmt: skip
-                f.write(_profile_summary(prof) + "\n")
-            prof.export_chrome_trace(profile + ".trace.json")
+        header = f"{profile_steps} steps, batch {cfg.data.batch_size}, precision {precision}: " \
+                 f"{seconds / steps * 1e3:.2f} ms/step timed without the profiler"  # fmt: skip
+        _profile(run, profile_steps, profile, header, on_gpu, write=env.rank == 0)
     matmul_after = _matmul_gflops_in_child(torch.get_num_threads()) if alongside else None
     rss = comm.max_value(_peak_rss_mb())
     result = {
@@ -163,19 +149,35 @@ def worker_ours(cfg, steps: int, warmup: int, precision: str = "fp32", profile: 
         "batch_size": cfg.data.batch_size,
         "precision": precision,
         "ms_per_step": seconds / steps * 1e3,
-        "collectives": collectives(dmp),
+        "collectives": trainer.collectives,
     }
     if alongside:
         result["matmul_gflops_around"] = [matmul_before, matmul_after]
     if not on_gpu:
-        from torchrec_cloud import native
-
-        result["cpu_kernels"] = "native" if native.library() is not None else "torch ops"
+        result["cpu_kernels"] = "native" if "cpu_kernels" in trainer.speedups.applied else "torch ops"
     if on_gpu:
         result["peak_gpu_mem_gb"] = torch.cuda.max_memory_allocated(env.device) / 2**30
     comm.barrier()
     dist.destroy_process_group()
     return result if env.rank == 0 else {}
+
+
+def _profile(run: Callable[[int], None], steps: int, path: str, header: str, on_gpu: bool, write: bool) -> None:
+    """``run(steps)`` under torch's profiler; where ``write``, the top ops to ``path`` (after
+    ``header`` and the time under the profiler) and a Chrome trace to ``path.trace.json``."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with torch_profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        run(steps)
+        profiled = time.perf_counter() - t0
+    if write:
+        with open(path, "w") as f:
+            f.write(f"{header}, {profiled * 1e3:.2f} ms for all {steps} under it\n")
+            f.write(_profile_summary(prof) + "\n")
+        prof.export_chrome_trace(path + ".trace.json")
 
 
 class HandwrittenDLRM(torch.nn.Module):

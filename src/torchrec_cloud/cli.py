@@ -29,8 +29,8 @@ COMMANDS = {
     "report": "torchrec_cloud.report",
     "render": "torchrec_cloud.deploy.render",
     "submit": "torchrec_cloud.deploy.submit",
-    "data": "torchrec_cloud.criteo",
-    "checkpoint": "torchrec_cloud.checkpoint",
+    "data": "torchrec_cloud.data.cli",
+    "checkpoint": "torchrec_cloud.checkpoint.cli",
     "launch": "torchrec_cloud.launch",
     "rehearse": "torchrec_cloud.rehearse",
 }

@@ -7,7 +7,7 @@ checkpoint to resume that rank 0 found. They run on a gloo group of their own, m
 by :func:`setup` right after the process group, and every function here hands gloo CPU
 tensors (or pickled objects), whatever the training backend is::
 
-    comm.setup()                        # every rank, after init_process_group
+    comm.setup(timeout)                 # every rank, after init_process_group
     have, go_on = comm.all_min([1, 1])  # the same answer on every rank
     logits = comm.gather_1d(logits)     # rank order, on the CPU
 
@@ -30,7 +30,6 @@ CPU speed-ups' shared-memory group excepted).
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
@@ -39,21 +38,19 @@ import torch.distributed as dist
 
 _group: Optional[dist.ProcessGroup] = None
 _made_for: Any = None  # the default group _group was made beside
+_timeout = timedelta(minutes=30)
 
 
-def pg_timeout() -> timedelta:
-    """How long a collective may wait for a peer before it fails the rank."""
-    return timedelta(seconds=int(os.environ.get("TORCHREC_CLOUD_PG_TIMEOUT_S", "1800")))
-
-
-def setup() -> None:
-    """Make the control group (collective: every rank calls it after the default process
+def setup(timeout: timedelta) -> None:
+    """Make the control group, whose collectives fail after ``timeout`` (``--pg_timeout_s``)
+    like the training group's (collective: every rank calls it after the default process
     group exists; again only after a new default group). A world of one needs none."""
-    global _group, _made_for
+    global _group, _made_for, _timeout
     world = dist.GroupMember.WORLD
     if _made_for is world:
         return
-    _group = dist.new_group(backend="gloo", timeout=pg_timeout()) if dist.get_world_size() > 1 else None
+    _timeout = timeout
+    _group = dist.new_group(backend="gloo", timeout=timeout) if dist.get_world_size() > 1 else None
     _made_for = world
 
 
@@ -156,4 +153,4 @@ def background_group() -> Optional[dist.ProcessGroup]:
     """A further gloo group for collectives issued from a background thread (an asynchronous
     checkpoint's), which on a shared group would interleave with the training thread's in
     a different order on each rank. Collective: every rank calls it."""
-    return dist.new_group(backend="gloo", timeout=pg_timeout())
+    return dist.new_group(backend="gloo", timeout=_timeout)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -43,6 +44,25 @@ def _positive_list(flag: str, values: Optional[list[int]], min_len: int = 1) -> 
     for v in values:
         if v <= 0:
             raise ConfigError(flag, f"every value must be > 0, got {v} in {values}")
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    """A switch's default from the environment: ``0`` (or ``false``, ``off``, ``no``) is off."""
+    value = os.environ.get(name)
+    if value is None or not value.strip():
+        return default
+    return value.strip().lower() not in ("0", "false", "off", "no")
+
+
+def _env_int(flag: str, name: str, default: int) -> int:
+    """A number's default from the environment."""
+    value = os.environ.get(name)
+    if value is None or not value.strip():
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(flag, f"its default from {name} must be an integer, got {value!r}") from None
 
 
 # Numeric precision of the dense compute (``--precision`` of train and bench).
@@ -198,9 +218,10 @@ class OptimizerConfig:
     lr_end: float = 0.0
     """Learning rate at the end of the decay, as a fraction of the peak."""
     cpu_embedding_update: Literal["torch", "fbgemm"] = "torch"
-    """On CPU, who applies the tables' row-wise Adagrad in backward: ``torch`` (one update
-    per table group: our C kernel, or torch ops where it cannot be built; 2-5x faster) or
-    fbgemm's own per-table kernel. The arithmetic is the same; GPUs always use fbgemm."""
+    """On CPU, who applies the tables' row-wise Adagrad in backward: ``torch`` (the speed-ups
+    layer's one update for all tables: C kernel, or torch ops without --cpu_kernels) or
+    fbgemm's own per-table kernel. The arithmetic is the same; GPUs, and runs with
+    --no-speedups, always use fbgemm."""
 
     def __post_init__(self) -> None:
         _positive("learning_rate", self.learning_rate)
@@ -238,13 +259,35 @@ class TrainConfig:
     """Dense compute (training and evaluation): ``fp32``; ``tf32`` (CUDA matmuls in TF32,
     same as fp32 on CPU); ``bf16`` (bfloat16 autocast of the MLPs; the tables, the
     optimizer state, the dot interaction and the loss stay float32)."""
+    pg_timeout_s: int = field(default_factory=lambda: _env_int("pg_timeout_s", "TORCHREC_CLOUD_PG_TIMEOUT_S", 1800))
+    """Seconds a collective may wait for another rank before the run fails (default 1800,
+    or TORCHREC_CLOUD_PG_TIMEOUT_S)."""
 
     def __post_init__(self) -> None:
         _positive("num_epochs", self.num_epochs)
         _positive("eval_every", self.eval_every, allow_zero=True)
         _positive("log_every", self.log_every)
         _positive("num_threads", self.num_threads, allow_zero=True)
+        _positive("pg_timeout_s", self.pg_timeout_s)
 
+
+@dataclass
+class SpeedupsConfig:
+    """The speed-ups layer (torchrec_cloud.speedups): cheaper versions of TorchRec's modules,
+    fbgemm's CPU update and gloo's collectives, with the same arithmetic."""
+
+    speedups: bool = True
+    """Apply the speed-ups layer to the built and the sharded model. Off: TorchRec's modules
+    as built, fbgemm's row-wise Adagrad and the process group's own collectives (the same
+    arithmetic, slower; the start record lists what was applied)."""
+    cpu_kernels: bool = field(default_factory=lambda: _env_flag("TORCHREC_CLOUD_NATIVE", True))
+    """Let the layer use its C kernels (speedups/cpu_kernels.c, built for this machine);
+    off, or where they cannot be built, the same arithmetic runs on torch ops. Default on,
+    or TORCHREC_CLOUD_NATIVE (0: off)."""
+    shm_collectives: bool = field(default_factory=lambda: _env_flag("TORCHREC_CLOUD_SHM", True))
+    """CPU ranks on one host move their all-to-alls and gradient all-reduces through
+    /dev/shm (when every rank can, with 256 MiB free each); off: gloo's TCP. Default on,
+    or TORCHREC_CLOUD_SHM (0: off)."""
 
 @dataclass
 class OutputConfig:
@@ -329,13 +372,14 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    speedups: SpeedupsConfig = field(default_factory=SpeedupsConfig)
     preset: str = "quickstart"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-SECTIONS = ("model", "data", "optimizer", "train", "output", "checkpoint")
+SECTIONS = ("model", "data", "optimizer", "train", "output", "checkpoint", "speedups")
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Process group, device, sharding plan and optimizers: everything between a model and a step.
+"""Process group, device, topology and sharding: everything between a built model and a step.
 
 One process without torchrun gets a world of one (an in-memory store, no ports); under
 torchrun the usual ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` environment
@@ -12,7 +12,7 @@ import ctypes
 import dataclasses
 import os
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -24,12 +24,10 @@ from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from torchrec_cloud import comm, cpu_rowwise_adagrad
-from torchrec_cloud.comm import pg_timeout as _pg_timeout
-from torchrec_cloud.config import JobConfig, OptimizerConfig
+from torchrec_cloud import comm, compat
+from torchrec_cloud.config import JobConfig, TrainConfig
+from torchrec_cloud.optim import embedding_lr
 
 
 @dataclasses.dataclass
@@ -48,6 +46,15 @@ class Env:
         return self.rank == 0
 
 
+@dataclasses.dataclass
+class StepGroups:
+    """The process groups the training step runs on: TorchRec's all-to-alls, DDP's gradient
+    all-reduces. None: the default group (the speed-ups layer may give others)."""
+
+    all_to_all: Optional[dist.ProcessGroup] = None
+    data_parallel: Optional[dist.ProcessGroup] = None
+
+
 def _cpu_count() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -55,8 +62,9 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def init_distributed(backend: str = "auto", num_threads: int = 0) -> Env:
-    """Join (or create) the process group and pick this rank's device and thread count."""
+def init_distributed(backend: str = "auto", num_threads: int = 0, timeout_s: Optional[int] = None) -> Env:
+    """Join (or create) the process group and pick this rank's device and thread count;
+    a collective fails after ``timeout_s`` (``--pg_timeout_s``)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -75,7 +83,7 @@ def init_distributed(backend: str = "auto", num_threads: int = 0) -> Env:
     torch.set_num_threads(threads)
     keep_freed_memory()
     if not dist.is_initialized():
-        timeout = _pg_timeout()
+        timeout = _pg_timeout(timeout_s)
         if world_size == 1 and "MASTER_ADDR" not in os.environ:
             dist.init_process_group(
                 backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
@@ -84,44 +92,12 @@ def init_distributed(backend: str = "auto", num_threads: int = 0) -> Env:
             dist.init_process_group(
                 backend, timeout=timeout, device_id=device if backend == "nccl" else None
             )
-    comm.setup()
+    comm.setup(_pg_timeout(timeout_s))
     return Env(rank, world_size, local_rank, local_world_size, device, backend)
 
 
-_step_group: list[tuple[Any, dist.ProcessGroup, dist.ProcessGroup]] = []  # (default group, a2a, DDP)
-
-
-def step_process_group(env: Env) -> dist.ProcessGroup:
-    """The group the training step's all-to-alls run on: for CPU ranks on one host, one that
-    moves them through shared memory (shm_group.py); otherwise the default group. DDP's
-    gradient all-reduces get a second such group (``_step_groups``). Made once per process
-    (collective: every rank calls it)."""
-    return _step_groups(env)[0]
-
-
-def _step_groups(env: Env) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    world = dist.GroupMember.WORLD
-    if env.device.type != "cpu" or env.world_size < 2:
-        return world, world
-    if not _step_group or _step_group[0][0] is not world:
-        from torchrec_cloud.shm_group import shared_memory_group
-
-        a2a = shared_memory_group(_pg_timeout())
-        # DDP's all-reduces in a group of their own, completed by a thread: DDP waits for them
-        # only at the end of the backward, not at each bucket (2 ranks on 2 cores, 7 interleaved
-        # pairs: median 154 ms a step against 175 completing them in place; faster in 6).
-        ddp = shared_memory_group(_pg_timeout(), background=True) if a2a is not None else None
-        _step_group[:] = [(world, a2a or world, ddp or world)]
-    return _step_group[0][1], _step_group[0][2]
-
-
-def collectives(dmp: DistributedModelParallel) -> str:
-    """How the sharded model's step communicates: "shared memory + gloo", "gloo", "nccl"."""
-    from torchrec_cloud.shm_group import BACKEND
-
-    pg = dmp._env.process_group
-    backend = dist.get_backend(pg) if pg is not None else "none"
-    return "shared memory + gloo" if backend == BACKEND else str(backend)
+def _pg_timeout(seconds: Optional[int] = None) -> timedelta:
+    return timedelta(seconds=seconds if seconds is not None else TrainConfig().pg_timeout_s)
 
 
 # glibc's mallopt parameters (malloc.h).
@@ -131,12 +107,11 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 def keep_freed_memory() -> None:
     """Keep the step's freed buffers in the process instead of handing them back to the kernel.
 
-    glibc serves each large block (an activation is up to ~14 MB at batch 2048) from a fresh
-    mmap, or trims the heap top once it is free, so every CPU step page-faults its buffers in
-    again: ~10% of a quickstart step on 2 cores. Blocks up to 32 MiB then come from the heap
-    and stay mapped; the peak RSS is unchanged (measured by ``torchrec-cloud bench``). The
-    ``MALLOC_*_`` environment variables, or another allocator, still take precedence.
-    """
+    glibc serves each large block (an activation of a step at the bench's batch is several
+    MB) from a fresh mmap, or trims the heap top once it is free, so every CPU step
+    page-faults its buffers in again. Blocks up to 32 MiB then come from the heap and stay
+    mapped, and the step reuses the same ones; the peak RSS stays that of the largest step.
+    The ``MALLOC_*_`` environment variables, or another allocator, still take precedence."""
     if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
         return
     try:
@@ -173,18 +148,13 @@ def topology(env: Env) -> Topology:
     )
 
 
-def embedding_lr(cfg: OptimizerConfig) -> float:
-    return cfg.embedding_learning_rate if cfg.embedding_learning_rate is not None else cfg.learning_rate
-
-
 def shard_model(
-    model: torch.nn.Module, cfg: JobConfig, env: Env
+    model: torch.nn.Module, cfg: JobConfig, env: Env, groups: Optional[StepGroups] = None
 ) -> tuple[DistributedModelParallel, ShardingPlan]:
-    """Fuse row-wise Adagrad into the tables' backward, plan with the real topology, shard."""
-    if env.device.type == "cpu" and cfg.optimizer.cpu_embedding_update == "torch":
-        cpu_rowwise_adagrad.install()
-    else:
-        cpu_rowwise_adagrad.uninstall()
+    """Fuse row-wise Adagrad into the tables' backward, plan with the real topology, shard.
+    The step's all-to-alls and DDP's all-reduces run on ``groups`` (the speed-ups layer's),
+    or on the default group."""
+    groups = groups or StepGroups()
     apply_optimizer_in_backward(
         RowWiseAdagrad,
         model.model.sparse_arch.parameters(),
@@ -201,15 +171,12 @@ def shard_model(
     plan = planner.collective_plan(model, sharders, comm.group() or dist.GroupMember.WORLD)
     dmp = DistributedModelParallel(
         module=model,
-        env=ShardingEnv.from_process_group(step_process_group(env)),
-        data_parallel_wrapper=_DataParallelAcrossRanks(_step_groups(env)[1]),
+        env=ShardingEnv.from_process_group(groups.all_to_all or dist.GroupMember.WORLD),
+        data_parallel_wrapper=_DataParallelAcrossRanks(groups.data_parallel),
         plan=plan,
         sharders=sharders,
         device=env.device,
     )
-    from torchrec_cloud import shm_pooled
-
-    shm_pooled.install(dmp)  # only where an output dist's group is a shared-memory one
     return dmp, plan
 
 
@@ -227,7 +194,7 @@ class _DataParallelAcrossRanks(DefaultDataParallelWrapper):
         if env.world_size > 1:
             super().wrap(dmp, ShardingEnv.from_process_group(self._group) if self._group is not None else env, device)
         else:
-            dmp._dmp_wrapped_module.to(device)
+            compat.wrapped_module(dmp).to(device)
 
 
 def fused_constraints(model: torch.nn.Module) -> dict[str, ParameterConstraints]:
@@ -251,63 +218,6 @@ def fused_constraints(model: torch.nn.Module) -> dict[str, ParameterConstraints]
     }
 
 
-def build_optimizer(dmp: DistributedModelParallel, cfg: OptimizerConfig) -> CombinedOptimizer:
-    """The tables' fused optimizer together with Adagrad/SGD over the dense parameters."""
-    dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
-    on_cpu = next(iter(dense_params.values())).device.type == "cpu"
-    if cfg.dense_optimizer == "adagrad":
-        # One fused kernel per step on CPU instead of four passes over every parameter.
-        kind = {"fused": True} if on_cpu else {"foreach": True}
-        make = lambda params: torch.optim.Adagrad(params, lr=cfg.learning_rate, eps=cfg.eps, **kind)  # noqa: E731
-    else:
-        make = lambda params: torch.optim.SGD(params, lr=cfg.learning_rate, fused=True)  # noqa: E731
-    return CombinedOptimizer([dmp.fused_optimizer, KeyedOptimizerWrapper(dense_params, make)])
-
-
-class WarmupPolyDecay:
-    """Linear warm-up to the peak, constant, then polynomial decay to ``lr_end`` x peak.
-
-    Sets ``lr`` on every param group of the combined optimizer; the fused table optimizer
-    reads its group's ``lr`` at each ``step()``.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, cfg: OptimizerConfig) -> None:
-        self.optimizer = optimizer
-        self.cfg = cfg
-        self.base_lrs = [group["lr"] for group in optimizer.param_groups]
-        self.step_count = 0
-        self._apply()
-
-    def factor(self, step: int) -> float:
-        c = self.cfg
-        if c.warmup_steps and step < c.warmup_steps:
-            return (step + 1) / c.warmup_steps
-        if c.decay_steps and step >= c.decay_start_step:
-            progress = min(1.0, (step - c.decay_start_step) / c.decay_steps)
-            return c.lr_end + (1.0 - c.lr_end) * (1.0 - progress) ** c.decay_power
-        return 1.0
-
-    def _apply(self) -> None:
-        f = self.factor(self.step_count)
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
-            group["lr"] = base * f
-
-    def step(self) -> None:
-        self.step_count += 1
-        self._apply()
-
-    def current_lr(self) -> float:
-        return self.base_lrs[-1] * self.factor(self.step_count)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step_count": self.step_count, "base_lrs": list(self.base_lrs)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step_count = int(state["step_count"])
-        self.base_lrs = list(state["base_lrs"])
-        self._apply()
-
-
 def plan_summary(plan: ShardingPlan) -> str:
     """A short table of where each embedding table went."""
     rows = []
@@ -325,12 +235,3 @@ def _natural(row: tuple[str, ...]) -> tuple:
     name = row[0]
     digits = "".join(ch for ch in name if ch.isdigit())
     return (name.rstrip("0123456789"), int(digits) if digits else 0)
-
-
-def plan_ranks(plan: ShardingPlan) -> dict[str, list[int]]:
-    """Table name -> ranks holding it (all ranks for data-parallel tables)."""
-    out = {}
-    for module_plan in plan.plan.values():
-        for table, ps in module_plan.items():  # type: ignore[union-attr]
-            out[table] = list(ps.ranks) if ps.ranks is not None else []
-    return out

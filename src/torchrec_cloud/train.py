@@ -29,30 +29,23 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from torchrec_cloud import comm, observability
-from torchrec_cloud.checkpoint import Checkpointer, Position, Preemption
+from torchrec_cloud import comm, metrics
+from torchrec_cloud.build import Trainer, build
+from torchrec_cloud.checkpoint import Checkpointer, Position
 from torchrec_cloud.config import JobConfig, add_config_flags, config_from_args
-from torchrec_cloud.data import DataSource, SyntheticSource, build_data_source, prefetched
-from torchrec_cloud.precision import precision_context
-from torchrec_cloud.distributed import (
-    Env,
-    WarmupPolyDecay,
-    build_optimizer,
-    collectives,
-    init_distributed,
-    plan_summary,
-    shard_model,
-)
+from torchrec_cloud.data import DataSource, build_data_source
+from torchrec_cloud.distributed import Env, init_distributed, plan_summary
 from torchrec_cloud.evaluation import evaluate
 from torchrec_cloud.launch import EXIT_OK, EXIT_PREEMPTED, end_pod
 from torchrec_cloud.metrics import MetricsSink
-from torchrec_cloud.model import build_model
+from torchrec_cloud.precision import precision_context
+from torchrec_cloud.preemption import Preemption
 
 
 def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
     """Train ``cfg``; returns the final val/test metrics (the same on every rank)."""
     # -- set up ------------------------------------------------------------------------
-    env = init_distributed(cfg.train.backend, cfg.train.num_threads)
+    env = init_distributed(cfg.train.backend, cfg.train.num_threads, cfg.train.pg_timeout_s)
     torch.manual_seed(cfg.data.seed + env.rank)
     source = source or build_data_source(cfg, env.rank, env.world_size)
     sink = build_sinks(cfg, env)
@@ -62,30 +55,13 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
     from tqdm import tqdm
 
     # -- build -------------------------------------------------------------------------
-    model = build_model(cfg.model, dense_device=env.device)
-    dmp, plan = shard_model(model, cfg, env)
-    optimizer = build_optimizer(dmp, cfg.optimizer)
-    scheduler = WarmupPolyDecay(optimizer, cfg.optimizer)
-    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-
-    pipeline = TrainPipelineSparseDist(dmp, optimizer, env.device, execute_all_batches=True)
+    trainer = build(cfg, env)  # the model, the speed-ups layer, sharding, optimizers, pipeline
+    dmp, optimizer, scheduler, pipeline = trainer.dmp, trainer.optimizer, trainer.scheduler, trainer.pipeline
     if env.is_main:
-        print(f"sharding plan ({env.world_size} rank(s), {env.device.type}, collectives: {collectives(dmp)}):\n"
-              f"{plan_summary(plan)}")  # fmt: skip
+        print(f"sharding plan ({env.world_size} rank(s), {env.device.type}, collectives: {trainer.collectives}):\n"
+              f"{plan_summary(trainer.plan)}")  # fmt: skip
 
-    start_record: dict[str, Any] = {
-        "event": "start",
-        "step": 0,
-        "world_size": env.world_size,
-        "backend": env.backend,
-        "collectives": collectives(dmp),
-        "device": env.device.type,
-        "threads_per_rank": torch.get_num_threads(),
-        "config": cfg.to_dict(),
-    }
-    if isinstance(source, SyntheticSource) and source.kind == "planted" and env.is_main:
-        start_record["bayes_auc"] = source.bayes_auc("val")
-    sink.log(start_record)
+    sink.log(_start_record(cfg, env, trainer, source))
 
     # -- resume ------------------------------------------------------------------------
     position = Position()
@@ -100,15 +76,13 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
     )
     start_step = step = position.step
     step_context = precision_context(cfg.train.precision, env.device)
-    workers = cfg.data.data_workers
-    if workers is None:
-        workers = min(16, max(1, torch.get_num_threads() - 2)) if env.device.type == "cuda" else 0
+    workers = _data_workers(cfg, env)
     window = _Window()
     last_val: dict[str, float] = {}
     intervals = (cfg.train.eval_every, cfg.checkpoint.checkpoint_interval)
     run_start = time.perf_counter()
     for epoch, first, last in segments(position, cfg.train.num_epochs, batches_per_epoch, intervals):
-        made = _train_batches(source, epoch, first, workers, pin=env.device.type == "cuda")
+        made = source.train_batches_ahead(epoch, first, workers, pin=env.device.type == "cuda")
         batches = agreed_batches(made, last - first, window, preemption)
         segment_start = step
         while True:
@@ -158,16 +132,7 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
         checkpoints.save(position, dmp, optimizer, scheduler, reason="preempted" if preemption.stop else "end")
     checkpoints.close()
     preemption.close()
-    sink.log(
-        {
-            "event": "end",
-            "step": step,
-            "world_size": env.world_size,
-            "seconds": round(train_seconds, 3),
-            "samples_per_s": trained_steps * cfg.data.batch_size * env.world_size / max(train_seconds, 1e-9),
-            "preempted": preemption.stop,
-        }
-    )
+    sink.log(_end_record(step, trained_steps, train_seconds, cfg, env, preemption.stop))
     sink.close()
     return {
         "step": step,
@@ -182,12 +147,51 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
 # -- helpers beside the loop ----------------------------------------------------------
 
 
+def _start_record(cfg: JobConfig, env: Env, trainer: Trainer, source: DataSource) -> dict[str, Any]:
+    """The run's first record: where it runs, how the step communicates, what the speed-ups
+    layer applied, the whole config; on rank 0, what the data source knows (``bayes_auc``)."""
+    record: dict[str, Any] = {
+        "event": "start",
+        "step": 0,
+        "world_size": env.world_size,
+        "backend": env.backend,
+        "collectives": trainer.collectives,
+        "speedups": trainer.speedups.record(),
+        "device": env.device.type,
+        "threads_per_rank": torch.get_num_threads(),
+        "config": cfg.to_dict(),
+    }
+    if env.is_main:
+        record.update(source.facts())
+    return record
+
+
+def _end_record(step: int, steps: int, seconds: float, cfg: JobConfig, env: Env, preempted: bool) -> dict[str, Any]:
+    """The run's last record: ``steps`` trained in ``seconds`` (resumed steps not counted)."""
+    return {
+        "event": "end",
+        "step": step,
+        "world_size": env.world_size,
+        "seconds": round(seconds, 3),
+        "samples_per_s": steps * cfg.data.batch_size * env.world_size / max(seconds, 1e-9),
+        "preempted": preempted,
+    }
+
+
+def _data_workers(cfg: JobConfig, env: Env) -> int:
+    """``--data_workers``, or its default: on a GPU the rank's cores less two (at most 16),
+    on a CPU none (the step's own threads use every core)."""
+    if cfg.data.data_workers is not None:
+        return cfg.data.data_workers
+    return min(16, max(1, torch.get_num_threads() - 2)) if env.device.type == "cuda" else 0
+
+
 def build_sinks(cfg: JobConfig, env: Env) -> MetricsSink:
     """Rank 0 writes metrics.jsonl, TensorBoard events and console lines; with
-    --prometheus_port every rank also serves its metrics (torchrec_cloud.observability)."""
+    --prometheus_port every rank also serves its metrics (torchrec_cloud.metrics)."""
     from tqdm import tqdm
 
-    return observability.build_sinks(
+    return metrics.build_sinks(
         cfg, env.rank, env.local_rank, env.world_size, console_write=tqdm.write
     )
 
@@ -213,17 +217,6 @@ def segments(
             step += last - first
             first = last
         first = 0
-
-
-def _train_batches(source: DataSource, epoch: int, first: int, workers: int, pin: bool) -> Iterator:
-    """The segment's training batches, made ahead by ``workers`` processes (synthetic data)
-    or one reading thread (other sources, and synthetic ones whose ``train_batches`` is
-    overridden), or in the step when ``workers`` is 0."""
-    if workers and isinstance(source, SyntheticSource) and source.makes_batches_by_index():
-        batches = source.train_loader(epoch, first, workers, pin)
-    else:
-        batches = prefetched(source.train_batches(epoch, first), 2 if workers else 0, pin)
-    yield from batches
 
 
 def agreed_batches(batches: Iterator, limit: int, window: "_Window", preemption: Preemption) -> Iterator:

@@ -9,7 +9,7 @@
     trainjob    Namespace, ServiceAccount, Kubeflow Trainer v2 TrainingRuntime + TrainJob
 
 followed by the objects the cluster's metrics collector needs (the profile's ``monitoring``
-key picks them from :func:`torchrec_cloud.observability.monitoring_profile`, which also
+key picks them from :func:`torchrec_cloud.deploy.monitoring.monitoring_profile`, which also
 gives the pod labels, annotations, metrics container ports and trainer flags)::
 
     text = render_bundle(DeploySpec(cloud="generic", nodes=2, gpus_per_node=8))
@@ -297,8 +297,8 @@ def _launch_args(spec: DeploySpec, profile: Profile, grace: int, trainer_args: l
 
 def _monitoring(spec: DeploySpec, profile: Profile, port: int):
     """What the profile's metrics collector needs for this job (pod metadata, ports, trainer
-    flags, objects to apply), from the one copy of that data in the observability module."""
-    from torchrec_cloud.observability import monitoring_profile
+    flags, objects to apply), from the one copy of that data (deploy/monitoring.py)."""
+    from torchrec_cloud.deploy.monitoring import monitoring_profile
 
     settings = profile.monitoring
     try:

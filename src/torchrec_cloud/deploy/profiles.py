@@ -4,7 +4,7 @@ A profile is a YAML file in ``profiles/`` (``generic``, ``aws``, ``azure``, ``gc
 ``profiles/base.yaml``: NCCL/EFA/InfiniBand/TCPX environment, node selectors and
 tolerations, GPU and network-device resource names, the storage volume, the workload
 identity annotation, which collector scrapes the metrics (``monitoring``: a key into
-``torchrec_cloud/monitoring_profiles.yaml.j2``, the one copy of that data), instance facts (used by the manifests *and* the docs), cluster
+``deploy/monitoring_profiles.yaml.j2``, the one copy of that data), instance facts (used by the manifests *and* the docs), cluster
 defaults. The templates read a :class:`Profile`; no code branches on a cloud's name, so a
 new cloud is a new YAML file::
 

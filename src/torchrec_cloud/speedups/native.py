@@ -1,15 +1,16 @@
-"""CPU kernels in C (``cpu_kernels.c``), compiled for this machine and loaded with ctypes.
+"""The speed-ups' C kernels (``cpu_kernels.c``), compiled for this machine and loaded with ctypes.
 
-    python -m torchrec_cloud.native        # build now (scripts/install.sh does), print the library
+    python -m torchrec_cloud.speedups.native   # build now (scripts/install.sh does), print the library
 
 The library is built once per source, compiler flags, compiler and CPU (``-march=native``:
 a copy built on another machine is never loaded) into ``$TORCHREC_CLOUD_KERNEL_CACHE``
 (default ``~/.cache/torchrec-cloud/kernels``), written to a temporary name and renamed, so
-ranks that start together never load half a file. Without a C compiler, or with
-``TORCHREC_CLOUD_NATIVE=0``, :func:`library` returns None after one warning and callers use
-their torch-op path: same results, slower. The kernels: the dot interaction and the MLP
-layers' bias and ReLU (model.py), the tables' row-wise Adagrad update (cpu_rowwise_adagrad.py),
-and the signals of the shared-memory collectives between ranks on one host (shm_group.py).
+ranks that start together never load half a file. Without a C compiler, or switched off
+(``--no-cpu_kernels``, which the speed-ups layer passes to :func:`set_enabled`),
+:func:`library` returns None (after one warning where it could not be built) and callers
+use their torch-op path: same arithmetic, slower. The kernels: the dot interaction and the
+MLP layers' bias and ReLU (arches.py), the tables' lookup and row-wise Adagrad update
+(rowwise_adagrad.py), and the signals of the shared-memory collectives (shm_group.py).
 """
 
 from __future__ import annotations
@@ -116,10 +117,21 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+_enabled = True
+
+
+def set_enabled(enabled: bool) -> None:
+    """Use the kernels (the default) or not (``--no-cpu_kernels``): for this whole process, as
+    they are loaded into it once."""
+    global _enabled
+    _enabled = enabled
+    library.cache_clear()
+
+
 @functools.lru_cache(maxsize=None)
 def library() -> Optional[ctypes.CDLL]:
-    """The loaded kernels, or None (with one warning) where they cannot be built or are switched off."""
-    if os.environ.get("TORCHREC_CLOUD_NATIVE", "1") == "0":
+    """The loaded kernels, or None where they are switched off or cannot be built (one warning)."""
+    if not _enabled:
         return None
     # torch first: the kernels' libgomp.so.1 then resolves to torch's copy (one thread pool).
     import torch  # noqa: F401

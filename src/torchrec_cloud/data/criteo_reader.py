@@ -1,6 +1,6 @@
 """Reads preprocessed Criteo shards for training: the data source behind ``--dataset_path``.
 
-``torchrec-cloud data preprocess`` (:mod:`torchrec_cloud.criteo`) writes shards and a
+``torchrec-cloud data preprocess`` (:mod:`torchrec_cloud.data.criteo_preprocess`) writes shards and a
 ``manifest.json`` to a folder or bucket; this module streams them to each rank as
 TorchRec ``Batch`` es::
 
@@ -44,7 +44,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_cloud import storage
 from torchrec_cloud.config import ConfigError, JobConfig
-from torchrec_cloud.criteo import (
+from torchrec_cloud.data import DataSource
+from torchrec_cloud.data.criteo_format import (
     CAT_FEATURES,
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -115,7 +116,7 @@ class _Split:
         return out
 
 
-class CriteoSource:
+class CriteoSource(DataSource):
     """Batches of preprocessed Criteo shards for one rank (see the module docstring)."""
 
     def __init__(
@@ -188,10 +189,6 @@ class CriteoSource:
 
     def num_train_batches(self) -> int:
         return self.batches_per_rank
-
-    def train_rows_per_epoch(self) -> int:
-        """Rows used per epoch over all ranks (the rest of the split is left out)."""
-        return self.batches_per_rank * self.world_size * self.batch_size
 
     def train_batches(self, epoch: int, start_batch: int = 0) -> Iterator[Batch]:
         b = self.batch_size
@@ -331,7 +328,7 @@ class CriteoSource:
             ids %= self.table_sizes
         ids_t = torch.from_numpy(ids)
         if self.multi_hot_sizes is not None:
-            from torchrec_cloud.multihot import expand_multi_hot
+            from torchrec_cloud.data.multihot import expand_multi_hot
 
             g = None
             if self.multi_hot_pooling == "random":
@@ -365,7 +362,7 @@ def build_criteo_source(cfg: JobConfig, rank: int, world_size: int) -> CriteoSou
             f"model has {cfg.model.num_dense_features} and {cfg.model.num_sparse_features}",
         )
     if cfg.data.multi_hot_sizes is not None:
-        from torchrec_cloud.multihot import validate_sizes
+        from torchrec_cloud.data.multihot import validate_sizes
 
         validate_sizes(cfg.data.multi_hot_sizes, CAT_FEATURES)
     return CriteoSource(

@@ -2,7 +2,7 @@
 
 Turns the Criteo Kaggle ``train.txt`` or the Criteo 1TB day files (``day_0`` .. ``day_23``,
 plain or ``.gz``) into fixed-width binary shards plus a ``manifest.json`` that the trainer
-reads with ``--dataset_path`` (see :mod:`torchrec_cloud.criteo_source` and docs/data.md)::
+reads with ``--dataset_path`` (see :mod:`torchrec_cloud.data.criteo_reader` and docs/data.md)::
 
     torchrec-cloud data preprocess --format kaggle --input train.txt --output /data/kaggle \\
         --num_embeddings 10000000
@@ -10,10 +10,8 @@ reads with ``--dataset_path`` (see :mod:`torchrec_cloud.criteo_source` and docs/
         --output s3://bucket/criteo-1tb --num_embeddings_per_feature 40000000,39060,...
     torchrec-cloud train --preset criteo-1tb --dataset_path s3://bucket/criteo-1tb
 
-Every input line is ``label \\t 13 integers \\t 26 hexadecimal ids`` (empty fields are
-missing values). A row is stored as one little-endian record: the label, the 13 integers
-as they were (missing = 0, the reader applies the log transform) and the 26 ids parsed
-from hex and taken modulo the table sizes (raw, in int64, when no sizes are given).
+Lines are parsed by :mod:`~torchrec_cloud.data.criteo_parse` into the records of
+:mod:`~torchrec_cloud.data.criteo_format`.
 
 The conversion streams: plain files are cut into byte ranges (``--chunk_mb``) and gzip
 files are read start to end, so memory stays bounded whatever the input size; work is
@@ -28,7 +26,6 @@ other than 0/1) stops the run with ``FILE:LINE: what is wrong`` and exit code 1,
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import multiprocessing as mp
@@ -37,243 +34,31 @@ import re
 import sys
 import time
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Iterator, Optional
 
 import numpy as np
 
 from torchrec_cloud import storage
+from torchrec_cloud.data.criteo_format import (
+    CAT_FEATURES,
+    DENSE_NAMES,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    INT32_MAX,
+    INT_FEATURES,
+    MANIFEST,
+    PLAN,
+    SHARD_DIR,
+    SPARSE_NAMES,
+    record_dtype,
+)
+from torchrec_cloud.data.criteo_parse import BadLineError, PreprocessError, parse_block
 
-INT_FEATURES = 13
-CAT_FEATURES = 26
-FIELDS = 1 + INT_FEATURES + CAT_FEATURES
-DENSE_NAMES = [f"int_{i}" for i in range(INT_FEATURES)]
-SPARSE_NAMES = [f"cat_{i}" for i in range(CAT_FEATURES)]
-FORMAT_NAME = "torchrec-cloud-criteo-shards"
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-PLAN = "_plan.json"
-SHARD_DIR = "shards"
 # Kaggle's train.txt is 7 days of logs; as in the references the last 1/7 is held out and
 # split in half (validation, then test).
 KAGGLE_HELD_OUT_FRACTION_DENOMINATOR = 7
 _READ_BLOCK = 2 << 20
-_INT32_MAX = 2**31 - 1
-
-
-def record_dtype(sparse_dtype: str) -> np.dtype:
-    """One stored row: label, 13 raw integers, 26 ids (int32 or int64), little-endian."""
-    return np.dtype(
-        [
-            ("label", "<i4"),
-            ("dense", "<i4", (INT_FEATURES,)),
-            ("sparse", "<i8" if sparse_dtype == "int64" else "<i4", (CAT_FEATURES,)),
-        ]
-    )
-
-
-class PreprocessError(RuntimeError):
-    """Input that cannot be converted (bad line, empty or truncated file)."""
-
-
-class BadLineError(PreprocessError):
-    """A malformed line; the message starts with ``FILE:LINE:``."""
-
-    def __init__(self, path: str, line: int, reason: str) -> None:
-        super().__init__(
-            f"{path}:{line}: {reason} (fix the line, or pass --on_bad_line skip to leave "
-            "such lines out)"
-        )
-        self.path, self.line, self.reason = path, line, reason
-
-    def __reduce__(self) -> Any:  # crosses process boundaries intact
-        return (BadLineError, (self.path, self.line, self.reason))
-
-
-# ---------------------------------------------------------------------------------------
-# Parsing: a block of whole lines to records, vectorised with numpy.
-
-_HEX = np.full(256, -1, dtype=np.int8)
-for _i, _c in enumerate(b"0123456789abcdef"):
-    _HEX[_c] = _i
-for _i, _c in enumerate(b"ABCDEF"):
-    _HEX[_c] = 10 + _i
-_DEC = np.full(256, -1, dtype=np.int8)
-for _i, _c in enumerate(b"0123456789"):
-    _DEC[_c] = _i
-
-
-@dataclass
-class Parsed:
-    """Result of parsing one block: good rows, and the bad lines (0-based in the block)."""
-
-    records: np.ndarray
-    bad_lines: np.ndarray
-    lines: int
-    reasons: dict[int, str] = field(default_factory=dict)
-
-
-_ONES = np.uint64(0x0101010101010101)
-_HIGH = np.uint64(0x8080808080808080)
-_LOW7 = np.uint64(0x7F7F7F7F7F7F7F7F)
-# _KEEP[n]: the low n bytes of a uint64 (a right-aligned field of n characters).
-_KEEP = np.array([(1 << (8 * n)) - 1 for n in range(9)], dtype=np.uint64)
-
-
-def _bytes_between(x: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """Per byte of ``x`` (all < 0x80): 0x80 where lo <= byte <= hi, else 0."""
-    ge = ((x & _LOW7) + np.uint64(0x80 - lo) * _ONES) & _HIGH
-    gt = ((x & _LOW7) + np.uint64(0x7F - hi) * _ONES) & _HIGH
-    return ge & ~gt
-
-
-def _parse_swar(
-    padded: np.ndarray, starts: np.ndarray, ends: np.ndarray, base: int
-) -> Optional[tuple[np.ndarray, np.ndarray]]:
-    """:func:`_parse_numbers` for fields of at most 8 characters, 8 at a time: each field
-    is loaded as one big-endian uint64 (right-aligned) and decoded with SIMD-within-a-
-    register arithmetic. ``padded`` is the buffer after 8 zero bytes. None if a field is
-    longer than 8."""
-    lens = ends - starts
-    if lens.size and int(lens.max()) > 8:
-        return None
-    view = np.ndarray(shape=(len(padded) - 7,), dtype=">u8", buffer=padded, strides=(1,))
-    x = view[ends].astype(np.uint64) & _KEEP[lens]
-    neg = None
-    if base == 10:
-        first = (x >> (np.maximum(lens - 1, 0) * 8).astype(np.uint64)) & np.uint64(0xFF)
-        neg = (lens > 0) & (first == 0x2D)
-        x = np.where(neg, x & _KEEP[np.maximum(lens - 1, 0)], x)
-        digits_len = lens - neg
-    else:
-        digits_len = lens
-    within = _KEEP[digits_len] & _HIGH
-    ascii_ok = (x & _HIGH) == 0
-    if base == 16:
-        valid = (
-            _bytes_between(x, 0x30, 0x39) | _bytes_between(x, 0x61, 0x66) | _bytes_between(x, 0x41, 0x46)
-        )
-        ok = ascii_ok & ((valid & within) == within)
-        v = (x & np.uint64(0x0F0F0F0F0F0F0F0F)) + np.uint64(9) * ((x >> np.uint64(6)) & _ONES)
-        v = ((v >> np.uint64(4)) | v) & np.uint64(0x00FF00FF00FF00FF)
-        v = ((v >> np.uint64(8)) | v) & np.uint64(0x0000FFFF0000FFFF)
-        v = ((v >> np.uint64(16)) | v) & np.uint64(0x00000000FFFFFFFF)
-        return v.astype(np.int64), ok
-    valid = _bytes_between(x, 0x30, 0x39)
-    ok = ascii_ok & ((valid & within) == within) & ~(neg & (lens == 1))
-    d = x & np.uint64(0x0F0F0F0F0F0F0F0F)
-    m16, m32 = np.uint64(0x00FF00FF00FF00FF), np.uint64(0x0000FFFF0000FFFF)
-    d = ((d >> np.uint64(8)) & m16) * np.uint64(10) + (d & m16)
-    d = ((d >> np.uint64(16)) & m32) * np.uint64(100) + (d & m32)
-    d = (d >> np.uint64(32)) * np.uint64(10000) + (d & np.uint64(0xFFFFFFFF))
-    value = d.astype(np.int64)
-    return np.where(neg, -value, value), ok
-
-
-def _parse_numbers(
-    buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, base: int, max_len: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Values and a validity mask of the fields ``buf[starts:ends]`` (arrays of any shape).
-    Decimal fields may start with '-'; empty fields are 0."""
-    lens = ends - starts
-    width = int(min(max(int(lens.max(initial=0)), 1), max_len))
-    # Right-aligned windows of ``width`` bytes ending at each field's end, gathered through
-    # a strided view of the buffer (no per-byte index arrays).
-    padded = np.concatenate((np.zeros(width, np.uint8), buf))
-    chars = np.lib.stride_tricks.sliding_window_view(padded, width)[ends]
-    digit = (_HEX if base == 16 else _DEC)[chars]
-    pos = np.arange(width, dtype=np.int64)
-    lead = (width - np.minimum(lens, width))[..., None]
-    digit[pos < lead] = 0  # bytes before the field
-    ok = lens <= max_len
-    if base == 10:
-        neg = (lens > 0) & (buf[np.minimum(starts, len(buf) - 1)] == 45)
-        digit[(pos == lead) & neg[..., None]] = 0
-        ok &= ~(neg & (lens == 1))
-    else:
-        neg = None
-    ok &= ~np.any(digit < 0, axis=-1)
-    powers = base ** np.arange(width - 1, -1, -1, dtype=np.int64)
-    value = digit.astype(np.int64) @ powers
-    if neg is not None:
-        value = np.where(neg, -value, value)
-    return value, ok
-
-
-def parse_block(data: bytes, sizes: Optional[np.ndarray], dtype: np.dtype) -> Parsed:
-    """Parse whole lines (``data`` ends with a newline) into records of ``dtype``; ids are
-    taken modulo ``sizes`` when given. Bad lines are left out and listed."""
-    buf = np.frombuffer(data, dtype=np.uint8)
-    seps = np.flatnonzero((buf == 9) | (buf == 10))
-    nl_index = np.flatnonzero(buf[seps] == 10)
-    newlines = seps[nl_index]
-    n = len(newlines)
-    if n == 0:
-        return Parsed(np.empty(0, dtype), np.empty(0, np.int64), 0)
-    line_starts = np.concatenate(([0], newlines[:-1] + 1))
-    tab_counts = np.diff(nl_index, prepend=-1) - 1
-    shape_ok = tab_counts == FIELDS - 1
-    reasons: dict[int, str] = {}
-    if not shape_ok.all():
-        bad = np.flatnonzero(~shape_ok)
-        for i in bad[:8]:
-            reasons[int(i)] = (
-                f"expected {FIELDS} tab-separated fields (label, {INT_FEATURES} integers, "
-                f"{CAT_FEATURES} hex ids), found {int(tab_counts[i]) + 1}"
-            )
-        keep_bytes = np.repeat(shape_ok, newlines - line_starts + 1)
-        inner = parse_block(buf[keep_bytes].tobytes(), sizes, dtype)
-        good_index = np.flatnonzero(shape_ok)
-        bad_all = np.sort(np.concatenate((bad, good_index[inner.bad_lines])))
-        for i, text in inner.reasons.items():
-            reasons[int(good_index[i])] = text
-        return Parsed(inner.records, bad_all, n, reasons)
-
-    seps = seps.reshape(n, FIELDS)
-    starts = np.empty_like(seps)
-    starts[:, 0] = line_starts
-    starts[:, 1:] = seps[:, :-1] + 1
-    k = 1 + INT_FEATURES
-    padded = np.concatenate((np.zeros(8, np.uint8), buf))
-    ints_parsed = _parse_swar(padded, starts[:, :k], seps[:, :k], 10)
-    ints, ints_ok = ints_parsed or _parse_numbers(buf, starts[:, :k], seps[:, :k], 10, 11)
-    ids_parsed = _parse_swar(padded, starts[:, k:], seps[:, k:], 16)
-    ids, ids_ok = ids_parsed or _parse_numbers(buf, starts[:, k:], seps[:, k:], 16, 15)
-    label_ok = ints_ok[:, 0] & (seps[:, 0] > starts[:, 0]) & ((ints[:, 0] == 0) | (ints[:, 0] == 1))
-    dense = ints[:, 1:]
-    dense_ok = ints_ok[:, 1:] & (dense <= _INT32_MAX) & (dense >= -_INT32_MAX)
-    line_ok = label_ok & dense_ok.all(axis=1) & ids_ok.all(axis=1)
-
-    bad = np.flatnonzero(~line_ok)
-    for i in bad[:8]:
-        i = int(i)
-
-        def text(col: int) -> str:
-            return bytes(buf[starts[i, col] : seps[i, col]]).decode("utf-8", "replace")
-
-        if not label_ok[i]:
-            reasons[i] = f"label must be 0 or 1, got {text(0)!r}"
-        elif not dense_ok[i].all():
-            c = int(np.flatnonzero(~dense_ok[i])[0])
-            reasons[i] = (
-                f"integer feature {DENSE_NAMES[c]} (field {c + 2}) is not an integer in "
-                f"the int32 range: {text(c + 1)!r}"
-            )
-        else:
-            c = int(np.flatnonzero(~ids_ok[i])[0])
-            reasons[i] = (
-                f"categorical feature {SPARSE_NAMES[c]} (field {c + 2 + INT_FEATURES}) is "
-                f"not a hexadecimal id of at most 15 digits: {text(c + 1 + INT_FEATURES)!r}"
-            )
-    keep = np.flatnonzero(line_ok)
-    out = np.empty(len(keep), dtype=dtype)
-    out["label"] = ints[keep, 0]
-    out["dense"] = dense[keep]
-    kept_ids = ids[keep]
-    if sizes is not None:
-        kept_ids = kept_ids % sizes
-    out["sparse"] = kept_ids
-    return Parsed(out, bad, n, reasons)
 
 
 # ---------------------------------------------------------------------------------------
@@ -369,7 +154,6 @@ def _count_lines_before(path: str, offset: int) -> int:
             remaining -= len(chunk)
     return lines
 
-
 # ---------------------------------------------------------------------------------------
 # Tasks: each converts one plain byte range or one whole gzip file to shards.
 
@@ -390,7 +174,7 @@ class Options:
     @property
     def sparse_dtype(self) -> str:
         sizes = self.num_embeddings_per_feature
-        return "int32" if sizes is not None and max(sizes) <= _INT32_MAX + 1 else "int64"
+        return "int32" if sizes is not None and max(sizes) <= INT32_MAX + 1 else "int64"
 
     def plan(self) -> dict[str, Any]:
         """What finished shards depend on. The bad-line policy is not part of it: shards
@@ -693,6 +477,9 @@ def _manifest(opts: Options, markers: list[dict]) -> dict:
 def preprocess(opts: Options, workers: int = 0, progress: bool = True) -> Result:
     """Convert ``opts.inputs`` into shards and a manifest under ``opts.output``."""
     t0 = time.perf_counter()
+    stems = [_source_stem(p) for p in opts.inputs]
+    if len(set(stems)) != len(stems):  # their shards' names would collide
+        raise PreprocessError(f"two inputs have the same file name: {stems}; rename one")
     storage.makedirs(opts.output)
     plan_path = storage.join(opts.output, PLAN)
     plan = opts.plan()
@@ -765,125 +552,3 @@ def preprocess(opts: Options, workers: int = 0, progress: bool = True) -> Result
     storage.write_bytes(storage.join(opts.output, MANIFEST), json.dumps(manifest, indent=1).encode())
     resumed = sum(1 for m in markers if m["shard"] + ".done" in done_before)
     return Result(manifest, time.perf_counter() - t0, resumed)
-
-
-# ---------------------------------------------------------------------------------------
-# Command line.
-
-
-def _sizes(ns: argparse.Namespace) -> Optional[list[int]]:
-    from torchrec_cloud.config import ConfigError
-
-    if ns.num_embeddings is not None and ns.num_embeddings_per_feature is not None:
-        raise ConfigError("num_embeddings", "give --num_embeddings or --num_embeddings_per_feature, not both")
-    if ns.num_embeddings_per_feature is not None:
-        sizes = [x for part in ns.num_embeddings_per_feature for x in part]
-        if len(sizes) != CAT_FEATURES:
-            raise ConfigError(
-                "num_embeddings_per_feature",
-                f"needs {CAT_FEATURES} values (one per categorical feature), got {len(sizes)}",
-            )
-        if min(sizes) <= 0:
-            raise ConfigError("num_embeddings_per_feature", f"every value must be > 0, got {sizes}")
-        return sizes
-    if ns.num_embeddings is not None:
-        if ns.num_embeddings <= 0:
-            raise ConfigError("num_embeddings", f"must be > 0, got {ns.num_embeddings}")
-        return [ns.num_embeddings] * CAT_FEATURES
-    return None
-
-
-def cmd_preprocess(ns: argparse.Namespace) -> int:
-    from torchrec_cloud.config import ConfigError
-
-    sizes = _sizes(ns)
-    if ns.chunk_mb <= 0:
-        raise ConfigError("chunk_mb", f"must be > 0, got {ns.chunk_mb}")
-    if ns.rows_per_shard <= 0:
-        raise ConfigError("rows_per_shard", f"must be > 0, got {ns.rows_per_shard}")
-    if ns.workers < 0:
-        raise ConfigError("workers", f"must be >= 0, got {ns.workers}")
-    if ns.format == "terabyte" and len(ns.input) < 2:
-        raise ConfigError(
-            "input",
-            "--format terabyte needs at least two day files: the last day is split into "
-            "validation and test, the others are training data",
-        )
-    try:
-        input_sizes = [storage.size(p) for p in ns.input]
-        opts = Options(
-            dataset=ns.format,
-            inputs=list(ns.input),
-            input_sizes=input_sizes,
-            output=ns.output,
-            num_embeddings_per_feature=sizes,
-            on_bad_line=ns.on_bad_line,
-            chunk_bytes=int(ns.chunk_mb * (1 << 20)),
-            rows_per_shard=ns.rows_per_shard,
-        )
-        stems = [_source_stem(p) for p in opts.inputs]
-        if len(set(stems)) != len(stems):
-            raise PreprocessError(f"two inputs have the same file name: {stems}; rename one")
-        result = preprocess(opts, workers=ns.workers, progress=not ns.no_progress)
-    except (PreprocessError, storage.StorageError) as e:
-        print(f"torchrec-cloud data preprocess: error: {e}", file=sys.stderr)
-        return 1
-    m = result.manifest
-    if result.already_complete:
-        print(f"{ns.output} is already complete ({m['rows']} rows in {len(m['shards'])} shards); nothing to do")
-        return 0
-    rate = m["rows"] / result.seconds if result.seconds > 0 else float("nan")
-    print(
-        f"wrote {m['rows']} rows in {len(m['shards'])} shards to {ns.output} "
-        f"({result.seconds:.1f}s, {rate:,.0f} rows/s; train {sum(e - s for _, s, e in m['splits']['train'])}, "
-        f"val {sum(e - s for _, s, e in m['splits']['val'])}, test {sum(e - s for _, s, e in m['splits']['test'])})"
-    )
-    if result.resumed_shards:
-        print(f"resumed: {result.resumed_shards} shard(s) were already done and kept")
-    if m["skipped_lines"]:
-        print(f"skipped {m['skipped_lines']} bad line(s); first ones:")
-        for line in m["skipped_examples"][:5]:
-            print(f"  {line}")
-    return 0
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from torchrec_cloud.config import _int_list
-
-    parser = subparsers.add_parser(
-        "data", help="prepare Criteo data for training (preprocess TSV into binary shards)",
-        description="Prepare Criteo data for --dataset_path.",
-    )
-    sub = parser.add_subparsers(dest="data_command", metavar="ACTION", parser_class=type(parser))
-    sub.required = True
-    p = sub.add_parser(
-        "preprocess",
-        help="convert Criteo Kaggle/1TB TSV (plain or .gz) into binary shards + manifest",
-        description="Convert Criteo Kaggle train.txt or 1TB day files (plain or .gz, local "
-        "or in a bucket) into binary shards and a manifest for train --dataset_path. "
-        "See docs/data.md for the format.",
-    )
-    p.add_argument("--format", required=True, choices=["kaggle", "terabyte"],
-                   help="kaggle: train.txt (last 1/7 held out for val/test); terabyte: "
-                        "day_0..day_23 (the last day split into val/test)")
-    p.add_argument("--input", required=True, nargs="+", metavar="FILE_OR_URL",
-                   help="TSV files, plain or .gz, local paths or s3:// gs:// az:// URLs")
-    p.add_argument("--output", required=True, metavar="DIR_OR_URL",
-                   help="folder or URL for shards and manifest.json (resumes if it holds "
-                        "an interrupted run with the same settings)")
-    p.add_argument("--num_embeddings", type=int, default=None,
-                   help="take every categorical id modulo N (table rows)")
-    p.add_argument("--num_embeddings_per_feature", type=_int_list, nargs="+", default=None,
-                   metavar="N,N,...", help="26 table sizes, one per categorical feature")
-    p.add_argument("--on_bad_line", choices=["error", "skip"], default="error",
-                   help="error: stop at the first bad line with FILE:LINE (exit 1); "
-                        "skip: leave bad lines out and report how many")
-    p.add_argument("--workers", type=int, default=0,
-                   help="processes to use (default 0: all cores)")
-    p.add_argument("--chunk_mb", type=float, default=64.0,
-                   help="plain files are cut into ranges of this many MiB, one shard each")
-    p.add_argument("--rows_per_shard", type=int, default=500_000,
-                   help="gzip files: input lines per shard")
-    p.add_argument("--no_progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_preprocess)
-    return parser

@@ -1,4 +1,4 @@
-"""Where a run's numbers go: one small interface, one class per sink.
+"""The metrics interface and the sinks rank 0 writes: JSON lines, TensorBoard, console.
 
 The training loop calls :meth:`MetricsSink.log` with flat records (``event``, ``step``,
 ``split``, ``loss``, ``auc``, ``logloss``, ``samples_per_s``, ``world_size``, ...). Rank 0

@@ -8,9 +8,8 @@ through generic collectives: a copy of the input into a "registered" buffer, the
 ``torch.cat`` of the ranks' columns; the backward splits the gradient's columns, makes each
 contiguous, concatenates them, and exchanges them the same way. Between the MLPs' matmuls the
 embeddings come from DRAM, and torch's strided copy of a block of columns is the slowest of
-those copies (4.9 ms for the quickstart model's 6.8 MB on a 2-core machine, against 1.2 ms for
-numpy's row-by-row memcpy). Alone (bench/pooled_a2a_bench.py, 2 ranks, batch 2048): TorchRec's
-forward 7-10 ms and backward 10-12.5 ms, against 4-5.5 and 4.5-6 here.
+those copies, several times slower than numpy's row-by-row memcpy of the same bytes
+(bench/pooled_a2a_bench.py times the two exchanges alone).
 
 Here each value is copied once on the way out and once on the way in: rank r's rows go into
 the slot as they lie, this rank's own rows go straight into their columns of the output, and
@@ -41,7 +40,7 @@ from torchrec.distributed.dist_data import PooledEmbeddingsAllToAll, PooledEmbed
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist
 from torchrec.distributed.types import Awaitable
 
-from torchrec_cloud.shm_group import SharedMemoryProcessGroup, as_tensor, backend_of, copy
+from torchrec_cloud.speedups.shm_group import SharedMemoryProcessGroup, as_tensor, backend_of, copy
 
 
 class _Exchange:

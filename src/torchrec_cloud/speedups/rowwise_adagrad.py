@@ -1,10 +1,9 @@
 """Row-wise Adagrad in backward for TorchRec's fused tables on CPU, without fbgemm's CPU kernel.
 
 fbgemm's CPU backward (``split_embedding_backward_codegen_rowwise_adagrad_cpu``) loops over
-the tables one by one, sorting each table's ids and opening parallel regions per table:
-at batch 2048 with 26 tables it takes ~1.2 ms per table, most of it fixed cost, and is the
-largest non-matmul item of a CPU training step. This module does the same update for all
-tables at once:
+the tables one by one, sorting each table's ids and opening parallel regions per table, a
+fixed cost per table that made it the largest non-matmul item of a CPU training step. This
+module does the same update for all tables at once:
 
 1. every id becomes a global row of the flat weight buffer (table offset + id), and finds
    its pooled gradient in the ``(B, total_D)`` output gradient (whatever its row stride);
@@ -20,27 +19,32 @@ It writes into the same ``weights_host`` / ``momentum1_host`` tensors that Torch
 sharded modules, optimizer state and checkpoints expose, so nothing outside the update
 changes.
 
-It is installed by :func:`install` as the CPU branch of fbgemm's row-wise Adagrad lookup
-and handles the common case (float32 weights, sum or mean pooling, optional per-sample
-weights, one embedding dim per TBE, no gradient clipping, max-norm or weight decay);
-anything else goes to fbgemm unchanged. ``--cpu_embedding_update fbgemm`` switches it off.
+:func:`install` routes the CPU row-wise Adagrad lookups of a sharded model's TBEs here
+(the speed-ups layer does, unless ``--cpu_embedding_update fbgemm``). It handles the
+common case (float32 weights, sum or mean pooling, optional per-sample weights, one
+embedding dim per TBE, no gradient clipping, max-norm or weight decay); anything else goes
+to fbgemm unchanged.
 
 On the same path the forward lookup runs in ``cpu_kernels.c`` too (:func:`pooled_lookup`):
 all the tables in one parallel region, the samples split between the threads, each thread
 table by table with the rows ahead prefetched (fbgemm's CPU forward opens a region per
-table). At 26 tables x 2048 samples it equals fbgemm's forward on 1 thread and is ~1.5x
-faster on 2 (bench/cpu_kernels_bench.py). It sums each bag's ids in order, as fbgemm does.
+table; bench/cpu_kernels_bench.py times the two). It sums each bag's ids in order, as fbgemm
+does, so its output is fbgemm's bit for bit.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
 
-from torchrec_cloud import native
+from torchrec_cloud.speedups import native
 
-_ORIGINAL: Optional[Callable[..., torch.Tensor]] = None
+_ORIGINAL: Optional[Callable[..., torch.Tensor]] = None  # fbgemm's invoker, once wrapped
+# The TBEs whose lookups go through _invoke, by their placeholder parameter (one per TBE,
+# what fbgemm hands the invoker): a TBE that is gone drops out by itself.
+_installed: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
 _POOLING_SUM, _POOLING_MEAN = 0, 1
 _SPARSE_DTYPE_FP32 = 0
 
@@ -273,7 +277,8 @@ def _fast_path(common: Any, optimizer_args: Any, momentum1: Any, extra: dict) ->
 
 def _invoke(common: Any, optimizer_args: Any, momentum1: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
     assert _ORIGINAL is not None
-    fast = None if args else _fast_path(common, optimizer_args, momentum1, kwargs)
+    ours = _installed.get(id(common.placeholder_autograd_tensor)) is common.placeholder_autograd_tensor
+    fast = _fast_path(common, optimizer_args, momentum1, kwargs) if ours and not args else None
     if fast is None or not torch.is_grad_enabled():
         return _ORIGINAL(common, optimizer_args, momentum1, *args, **kwargs)
     weights, momentum, row_base = fast
@@ -283,19 +288,30 @@ def _invoke(common: Any, optimizer_args: Any, momentum1: Any, *args: Any, **kwar
     )
 
 
-def install() -> None:
-    """Route fbgemm's CPU row-wise Adagrad lookups through :func:`rowwise_adagrad_update`."""
+def install(module: torch.nn.Module) -> int:
+    """Route the CPU row-wise Adagrad lookups of every fbgemm TBE in ``module`` (a sharded
+    model, or one TBE) through :func:`pooled_lookup` and :func:`rowwise_adagrad_update`.
+    Returns how many TBEs. fbgemm's invoker is wrapped once per process; other TBEs, and
+    calls that :func:`_fast_path` declines, still go to fbgemm."""
     global _ORIGINAL
     from fbgemm_gpu.split_embedding_codegen_lookup_invokers import lookup_rowwise_adagrad
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
     if _ORIGINAL is None:
         _ORIGINAL = lookup_rowwise_adagrad.invoke
-    lookup_rowwise_adagrad.invoke = _invoke
+        lookup_rowwise_adagrad.invoke = _invoke
+    # A sharded collection keeps its lookups in a plain list, which modules() skips.
+    lookups = [lk for m in module.modules() for lk in getattr(m, "_lookups", None) or ()]
+    found = {id(m): m for root in (module, *lookups) for m in root.modules()}
+    tbes = [m for m in found.values() if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen)]
+    for tbe in tbes:
+        _installed[id(tbe.placeholder_autograd_tensor)] = tbe.placeholder_autograd_tensor
+    return len(tbes)
 
 
-def uninstall() -> None:
-    """Give fbgemm its own CPU kernel back."""
-    from fbgemm_gpu.split_embedding_codegen_lookup_invokers import lookup_rowwise_adagrad
-
-    if _ORIGINAL is not None:
-        lookup_rowwise_adagrad.invoke = _ORIGINAL
+def uninstall(module: torch.nn.Module) -> None:
+    """Give the TBEs in ``module`` fbgemm's own CPU kernel back."""
+    for m in module.modules():
+        placeholder = getattr(m, "placeholder_autograd_tensor", None)
+        if placeholder is not None and _installed.get(id(placeholder)) is placeholder:
+            del _installed[id(placeholder)]

@@ -6,7 +6,7 @@ and small negative values in the second integer column, as in the real data. Lab
 drawn from a fixed logistic teacher over the features, so a model trained on the file
 can learn (the teacher's own AUC on the file is returned as ``bayes_auc``)::
 
-    from torchrec_cloud.criteo_gen import write_criteo_tsv
+    from torchrec_cloud.data.criteo_gen import write_criteo_tsv
     info = write_criteo_tsv("train.txt", rows=20_000, seed=0)
     write_criteo_tsv("day_0.gz", rows=10_000, seed=1)   # gzip when the name ends in .gz
 """
@@ -18,7 +18,7 @@ from typing import Optional
 
 import numpy as np
 
-from torchrec_cloud.criteo import CAT_FEATURES, INT_FEATURES
+from torchrec_cloud.data.criteo_format import CAT_FEATURES, INT_FEATURES
 
 
 def _auc(scores: np.ndarray, labels: np.ndarray) -> float:

@@ -1,23 +1,36 @@
 /*
- * DLRM's pairwise dot interaction on CPU, forward and backward, for float32 rows.
+ * The speed-ups layer's CPU kernels, for float32 tensors that torch hands over by pointer.
+ * Built for the machine it runs on (-O3 -march=native -fopenmp) and loaded with ctypes by
+ * native.py, after torch, so that this library's libgomp.so.1 resolves to the copy torch has
+ * loaded: both share one OpenMP thread pool, sized by torch.set_num_threads. Every caller has
+ * a torch-op path for where the library is not built. The entry points, by their callers:
  *
- * Built for the machine it runs on and loaded with ctypes by native.py; model.py's
- * DotInteraction uses it on CPU and falls back to torch ops when it is not available.
+ * arches.py, DotInteraction (DLRM's pairwise dot interaction over the dense row and the F
+ * pooled embeddings; order[i], or NULL for i, is the column of feature i as the sharded
+ * tables deliver them, so they are read, and their gradient written, in place):
+ *   dot_interaction_forward   out[b] = [dense[b], dot(r_i, r_j) for i < j, row-major]
+ *                             (torch.triu_indices(n, n, offset=1), as TorchRec's InteractionArch)
+ *   dot_interaction_backward  grad r_i = sum_{j != i} w_ij r_j, w_ij the gradient of pair (i, j),
+ *                             plus the pass-through gradient of the dense row
+ * arches.py, ReLUPerceptron (an MLP layer's bias and ReLU around torch's matmul):
+ *   bias_relu_forward         y = relu(y + bias), in place
+ *   relu_bias_backward        the gradient masked where y > 0, and its column sums (the bias's)
+ * rowwise_adagrad.py (the tables' lookup and update, all tables of a TBE at once):
+ *   pooled_lookup             each bag's (weighted, or mean) sum of its rows
+ *   bag_rows                  each id's table row and the place of its pooled gradient
+ *   rowwise_adagrad_update    fbgemm's exact row-wise Adagrad on the rows a batch touched
+ * shm_group.py (the shared-memory collectives' signals between ranks):
+ *   shm_publish               a counter stored after every earlier store, and a futex wake
+ *   shm_wait                  a futex sleep until a counter reaches a value, or a timeout
  *
- * One sample has n = F + 1 rows of width D: the dense row, then F pooled embeddings. Sharded
- * tables deliver their pooled embeddings grouped by rank; order[i] (or NULL: i) is the column of
- * feature i in that layout, so they are read, and their gradients written, in place.
- * forward:  out[b] = [dense[b], dot(r_i, r_j) for i < j in row-major order]
- *           (torch.triu_indices(n, n, offset=1), as TorchRec's InteractionArch)
- * backward: with w_ij the gradient of pair (i, j),
- *           grad r_i = sum_{j != i} w_ij r_j, plus the pass-through gradient for the dense row.
- *
- * Why not torch.bmm: the per-sample products are 27x64 by 64x27, and MKL's batched GEMM runs
- * them at ~40 GFLOP/s on the machines we measured (the MLP GEMMs reach ~150); it also computes
- * the whole symmetric Gram matrix, needs the rows concatenated first and a gather of the upper
- * triangle after. Here each sample's rows (7 KB) stay in L1, only the pairs are computed, and
- * samples are split between torch's OpenMP threads (this library resolves libgomp.so.1 to the
- * copy torch has already loaded, so both share one thread pool and torch.set_num_threads).
+ * Why C rather than torch ops: the interaction's per-sample products are small (27 rows of
+ * 64), which batched GEMMs run far below the machine's matmul rate, and they compute the
+ * whole symmetric matrix, after a concatenated copy of the rows, with a gather of its upper
+ * triangle after; here each sample's rows stay in L1 and only the pairs are computed. The
+ * bias, ReLU and their backward are passes over the same memory that torch makes separately.
+ * fbgemm's CPU lookup and update open a parallel region and sort per table; here one region
+ * serves all tables, and repeated rows are merged in a hash table. docs/cpu-performance.md
+ * has the reasoning in full; bench/RESULTS.md what each change measured.
  */
 #include <math.h>
 #include <stdint.h>
@@ -127,9 +140,9 @@ DEFINE_ROW_GROUP(3)
  * The pairs of one sample, three rows against four later rows at a time: twelve independent
  * sums (the FMAs' latency is hidden), seven loads per twelve FMAs, and one reduction tree per
  * row's four sums, stored as four adjacent outputs. sample_pairs, one row against four, waits
- * on its four sums' FMA chains and reduces each sum alone: ~2x slower at 27 x 64 with the rows
- * in cache, ~1.45x at batch 2048 from memory (AVX2 machines we measured). d is a multiple of
- * 8; p[base[i] + j] is pair (i, j), i < j.
+ * on its four sums' FMA chains and reduces each sum alone, so it is bound by the FMA's
+ * latency rather than its throughput. d is a multiple of 8; p[base[i] + j] is pair (i, j),
+ * i < j.
  */
 static inline __attribute__((always_inline)) void sample_pair_blocks(const float* const* rows, int64_t n, int64_t d,
                                                                      const int64_t* base, float* restrict p) {
@@ -192,7 +205,7 @@ static inline __attribute__((always_inline)) void backward_pairs(const float* co
  * product of the symmetric pair-gradient matrix with the rows, a block of rows' sums at a
  * time. The sums stay in registers while each r_j is loaded once per block, and each gradient
  * row is stored once, with no zeroing and no read-modify-write: the pair-at-a-time loop above
- * is bound by its two stores per pair (~3.4x slower at 26 x 64 on the machines we measured).
+ * is bound by its two stores per pair.
  */
 #if defined(__AVX512F__)
 #define VECTOR_FLOATS 16
@@ -404,7 +417,7 @@ int relu_bias_backward(const float* grad_y, int64_t grad_stride, const float* y,
 }
 
 /*
- * Exact row-wise Adagrad for the rows one batch touched (cpu_rowwise_adagrad.py prepares the
+ * Exact row-wise Adagrad for the rows one batch touched (rowwise_adagrad.py prepares the
  * arguments): id i adds scale[i] * grads[src[i] : src[i] + d] to row rows[i]'s gradient g; then
  * for each distinct row, h += mean(g^2) and w -= lr * g / (sqrt(h) + eps), as fbgemm's kernel.
  *
@@ -412,8 +425,7 @@ int relu_bias_backward(const float* grad_y, int64_t grad_stride, const float* y,
  * hash table chains each distinct row's ids in id order (the order fbgemm sums them in); a
  * row seen once, most of them, is then updated straight from its gradient. The table rows
  * are random reads and writes across the whole table, so the next ones are prefetched, with
- * their momentum entries (one float each, as random; not prefetched, they cost ~0.5 ms of a
- * ~5.5 ms update at batch 2048 on 2 threads).
+ * their momentum entries (one float each, but as random a read as the row).
  */
 
 #define PREFETCH_AHEAD 16
@@ -563,10 +575,9 @@ int bag_rows(const int64_t* indices, const int64_t* offsets, int64_t n, const in
  * features * batch + 1 entries) and each bag's ids are summed in order, as fbgemm's CPU kernel
  * does. The samples are split between the threads, and each thread goes table by table: a
  * row is a random read from tables far larger than the caches, and within one table the page
- * table entries of its rows stay cached, where sample by sample across all tables (665 MB at
- * the quickstart model) nearly every row also missed the TLB and waited for a page walk from
- * memory (2-3x slower with 4 KiB pages: bench/cpu_kernels_bench.py). The rows of the bag
- * PREFETCH_AHEAD samples ahead are prefetched.
+ * table entries of its rows stay cached, where sample by sample across all tables nearly
+ * every row would also miss the TLB and wait for a page walk from memory (on machines whose
+ * tables sit on 4 KiB pages). The rows of the bag PREFETCH_AHEAD samples ahead are prefetched.
  * Returns -2, with out partly written, if an id's row lies outside the num_rows rows.
  */
 static inline __attribute__((always_inline)) int lookup_samples(const float* weights, int64_t num_rows, int64_t d,

@@ -22,23 +22,9 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_cloud.config import MLPERF_MULTI_HOT_SIZES
+from torchrec_cloud.data.hashing import mix
 
 __all__ = ["MLPERF_MULTI_HOT_SIZES", "expand_multi_hot", "validate_sizes"]
-
-_M1 = -7046029254386353131  # splitmix64 constants as int64
-_M2 = -4658895280553007687
-_M3 = -7723592293110705685
-
-
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64 finaliser on int64 (wrapping arithmetic; logical shifts emulated)."""
-    x = x * _M1
-    x = x ^ ((x >> 30) & 0x3FFFFFFFF)
-    x = x * _M2
-    x = x ^ ((x >> 27) & 0x1FFFFFFFFF)
-    x = x * _M3
-    return x ^ ((x >> 31) & 0x1FFFFFFFF)
-
 
 def validate_sizes(sizes: Sequence[int], num_features: int) -> None:
     """Raise :class:`~torchrec_cloud.config.ConfigError` for bag sizes that cannot be used."""
@@ -87,7 +73,7 @@ def expand_multi_hot(
             bag = col[:, None]
         else:
             slot = torch.arange(1, s, dtype=torch.int64)
-            derived = _mix(col[:, None] * 4099 + (j * 1_000_003 + slot)[None, :] * 0x2545F491)
+            derived = mix(col[:, None] * 4099 + (j * 1_000_003 + slot)[None, :] * 0x2545F491)
             bag = torch.cat([col[:, None], torch.remainder(derived, n)], dim=1)
         if pooling == "fixed" or s == 1:
             values.append(bag.reshape(-1))

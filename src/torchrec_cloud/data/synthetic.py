@@ -1,11 +1,8 @@
-"""Batches for training and evaluation: the interface the loop reads, and synthetic data.
+"""Synthetic data: deterministic in (seed, split, global batch index), each rank reading its
+own slice of global batches::
 
-The loop sees a :class:`DataSource`. Every rank must see the same number of batches (an
-unequal count hangs the embedding all-to-all), so sources guarantee that, and the loop
-still checks it (see ``train.agreed_batches``).
-
-Synthetic data is deterministic in (seed, split, global batch index) and each rank reads
-its own slice of global batches:
+    source = SyntheticSource(cfg, rank, world_size)
+    batch = source.make_batch("train", index)
 
 - ``random``: ids uniform over each table, labels fair coin flips (the seeds' data; a model
   cannot beat AUC 0.5 on it).
@@ -21,63 +18,15 @@ padding batch counted with zero rows, so the metric is the same on any number of
 from __future__ import annotations
 
 import math
-import queue
-import threading
-from typing import Iterator, Protocol, TypeVar
+from typing import Any, Iterator
 
 import torch
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_cloud.config import JobConfig
-
-SPLITS = ("train", "val", "test")
-
-
-class DataSource(Protocol):
-    """What the training loop reads. Every rank must return the same counts."""
-
-    def num_train_batches(self) -> int:
-        """Training batches per rank per epoch."""
-        ...
-
-    def train_batches(self, epoch: int, start_batch: int = 0) -> Iterator[Batch]:
-        """Training batches of ``epoch`` for this rank, from ``start_batch`` on (resume)."""
-        ...
-
-    def eval_batches(self, split: str) -> Iterator[tuple[Batch, int]]:
-        """``(batch, valid_rows)`` of a held-out split; only the first valid_rows count."""
-        ...
-
-
-def feature_names(num_sparse: int) -> list[str]:
-    return [f"cat_{i}" for i in range(num_sparse)]
-
-
-# -- Deterministic hashing: teacher weights for 40M-row tables without storing them. ----
-
-_M1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
-_M2 = -4658895280553007687  # 0xBF58476D1CE4E5B9
-_M3 = -7723592293110705685  # 0x94D049BB133111EB
-
-
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64 finaliser on int64 tensors (wrapping arithmetic)."""
-    x = x * _M1
-    x = x ^ (x >> 30) & 0x3FFFFFFFF
-    x = x * _M2
-    x = x ^ (x >> 27) & 0x1FFFFFFFFF
-    x = x * _M3
-    return x ^ (x >> 31) & 0x1FFFFFFFF
-
-
-def hashed_normal(keys: torch.Tensor, salt: int) -> torch.Tensor:
-    """A standard-normal float per int64 key, fixed by (key, salt)."""
-    offset = (salt * 0x632BE59BD9B4E019) % (1 << 63)
-    h = _mix(keys + offset)
-    u = ((h >> 11) & ((1 << 52) - 1)).double() / float(1 << 52)
-    u = u.clamp(1e-12, 1 - 1e-12)
-    return (torch.special.ndtri(u)).float()
+from torchrec_cloud.data import SPLITS, DataSource, feature_names
+from torchrec_cloud.data.hashing import hashed_normal, mix
 
 
 def _split_id(split: str) -> int:
@@ -109,7 +58,7 @@ class Teacher:
         return self.bias + centred @ self.dense_weight * 2.0 + w @ self.sparse_scale
 
 
-class SyntheticSource:
+class SyntheticSource(DataSource):
     """Random or planted data for one rank; see the module docstring."""
 
     def __init__(self, cfg: JobConfig, rank: int, world_size: int) -> None:
@@ -126,14 +75,14 @@ class SyntheticSource:
         self.multi_hot_sizes = cfg.data.multi_hot_sizes
         self.multi_hot_pooling = cfg.data.multi_hot_pooling
         if self.multi_hot_sizes is not None:
-            from torchrec_cloud.multihot import validate_sizes
+            from torchrec_cloud.data.multihot import validate_sizes
 
             validate_sizes(self.multi_hot_sizes, len(self.keys))
 
     # The generator behind every batch: a function of (seed, split, global index) only.
     def _features(self, split: str, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
         key = torch.tensor([self.seed * 1_000_003 + _split_id(split) * 7_919 + index * 3])
-        g = torch.Generator().manual_seed(int(_mix(key)[0]) & 0x7FFF_FFFF_FFFF_FFFF)
+        g = torch.Generator().manual_seed(int(mix(key)[0]) & 0x7FFF_FFFF_FFFF_FFFF)
         b, f = self.batch_size, len(self.keys)
         dense = torch.rand(b, self.num_dense, generator=g)
         u = torch.rand(b, f, generator=g, dtype=torch.float64)
@@ -152,7 +101,7 @@ class SyntheticSource:
         else:
             labels = torch.randint(0, 2, (self.batch_size,), generator=g).float()
         if self.multi_hot_sizes is not None:
-            from torchrec_cloud.multihot import expand_multi_hot
+            from torchrec_cloud.data.multihot import expand_multi_hot
 
             sparse = expand_multi_hot(
                 ids, self.multi_hot_sizes, self.table_sizes.tolist(), g, self.multi_hot_pooling, self.keys
@@ -183,8 +132,8 @@ class SyntheticSource:
         index, so the batches are the same), ``pin``-ned for the copy to a GPU.
 
         A subclass that overrides ``train_batches`` (rather than ``train_indices`` or
-        ``make_batch``) is not seen here; ``train`` then reads ``train_batches`` instead
-        (``makes_batches_by_index``).
+        ``make_batch``) is not seen here; ``train_batches_ahead`` then reads
+        ``train_batches`` instead (``makes_batches_by_index``).
         """
         indices = self.train_indices(epoch, start_batch)
         if not indices:
@@ -198,6 +147,14 @@ class SyntheticSource:
         """Whether ``train_batches`` is still ``make_batch`` over ``train_indices``, so
         ``train_loader`` gives the same batches."""
         return type(self).train_batches is SyntheticSource.train_batches
+
+    def train_batches_ahead(self, epoch: int, start_batch: int, workers: int, pin: bool) -> Iterator[Batch]:
+        """With ``workers``, the batches are made by that many processes (``train_loader``),
+        as long as they are still made by index; otherwise as any other source."""
+        if workers and self.makes_batches_by_index():
+            yield from self.train_loader(epoch, start_batch, workers, pin)
+        else:
+            yield from super().train_batches_ahead(epoch, start_batch, workers, pin)
 
     def eval_batches(self, split: str) -> Iterator[tuple[Batch, int]]:
         steps = math.ceil(self.num_eval_batches / self.world_size)
@@ -217,6 +174,10 @@ class SyntheticSource:
             probs.append(self.teacher_probabilities(split, index))
             labels.append(self.make_batch(split, index).labels)
         return float(binary_auroc(torch.cat(probs), torch.cat(labels).long()))
+
+    def facts(self) -> dict[str, Any]:
+        """Planted data: the best AUC a model can reach on the validation split."""
+        return {"bayes_auc": self.bayes_auc("val")} if self.kind == "planted" else {}
 
 
 class _TrainBatches(torch.utils.data.Dataset):
@@ -239,67 +200,3 @@ def _one_hot_kjt(keys: list[str], ids: torch.Tensor) -> KeyedJaggedTensor:
         lengths=torch.ones(b * f, dtype=torch.int32),
         stride=b,
     )
-
-
-def build_data_source(cfg: JobConfig, rank: int, world_size: int) -> DataSource:
-    """Synthetic data, or preprocessed Criteo shards when ``--dataset_path`` is set."""
-    if cfg.data.dataset_path is not None:
-        from torchrec_cloud.criteo_source import build_criteo_source
-
-        return build_criteo_source(cfg, rank, world_size)
-    return SyntheticSource(cfg, rank, world_size)
-
-
-T = TypeVar("T")
-_DONE = object()
-
-
-def prefetched(items: Iterator[T], depth: int, pin: bool = False) -> Iterator[T]:
-    """``items`` in the same order, made up to ``depth`` ahead by a background thread.
-
-    Batch making is torch ops (they release the GIL) or file reads, so it overlaps the
-    step: on a GPU the step is mostly asynchronous kernel launches, and a 65,536-row
-    synthetic batch costs more host time than the GPU step. ``pin`` puts each batch in
-    page-locked memory so its copy to the GPU is asynchronous too. An error in the thread
-    is raised here, at the batch where it happened. Closing this generator (the loop ends
-    a segment early) stops the thread; batches it made ahead are dropped.
-    """
-    if depth <= 0:
-        yield from items
-        return
-    made: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def put(item) -> bool:
-        while not stop.is_set():
-            try:
-                made.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def work() -> None:
-        try:
-            for item in items:
-                if pin:
-                    item = item.pin_memory()
-                if not put(item):
-                    return
-            put(_DONE)
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
-            put(e)
-
-    thread = threading.Thread(target=work, name="batch-prefetch", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = made.get()
-            if item is _DONE:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        thread.join(timeout=5)

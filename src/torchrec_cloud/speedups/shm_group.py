@@ -1,18 +1,18 @@
 """All-to-all and all-reduce through shared memory, for CPU ranks on one host.
 
-Gloo moves every collective through loopback TCP. On a 2-core machine, 2 ranks of the
-quickstart model send ~14 MB a step that way, and the kernel's copies and the waits run on the
-cores that train. Measured (8 interleaved pairs of 2-rank runs, batch 2048): a median step of
-143 ms with this group against 155 ms over gloo, faster in 7 of 8 pairs; alone, a 6.8 MB
-all-to-all takes ~2.5 ms against ~5.5 and an 8-byte one ~80 us against ~400.
+Gloo moves every collective through loopback TCP: ranks on one host send each step's pooled
+embeddings, their gradients and DDP's buckets through the kernel's socket buffers, and those
+copies and the waits run on the cores that train. Here each rank writes what it sends once into
+memory the others map, and a futex wakes them.
 
 :func:`shared_memory_group` returns a process group over all ranks whose ``alltoall_base`` (the
 tables' input and pooled-embedding all-to-alls) and single-tensor ``allreduce`` (DDP's gradient
 buckets) go through ``/dev/shm``; every other collective goes to a gloo group underneath.
-``shard_model`` gives it to TorchRec's sharding and to DDP, and :meth:`SharedMemoryProcessGroup.exchange`
+The speed-ups layer gives it to TorchRec's sharding and to DDP (``shard_model``'s groups), and
+:meth:`SharedMemoryProcessGroup.exchange`
 moves the pooled embeddings in their own layout (shm_pooled.py). It is used only where every rank
 can open the others' files (one host, one IPC namespace), the C kernels are built (they hold
-the futex signals) and ``TORCHREC_CLOUD_SHM`` is not ``0``; otherwise gloo as before.
+the futex signals) and ``--shm_collectives`` is on (the default); otherwise gloo as before.
 
 How a collective runs, numbered k = 1, 2, ... in the order the ranks issue them (the same on
 every rank, as for any process group):
@@ -100,7 +100,7 @@ def _create_file(path: str, nbytes: int) -> torch.Tensor:
         raise SharedMemoryError(
             f"cannot reserve {nbytes / 2**20:.1f} MiB in {SHM_DIR} for {path}: {e}. "
             f"Give the container a larger /dev/shm (docker --shm-size, or a memory emptyDir on "
-            f"Kubernetes), or set TORCHREC_CLOUD_SHM=0 to use gloo's TCP."
+            f"Kubernetes), or train with --no-shm_collectives to use gloo's TCP."
         ) from e
     os.close(fd)
     return _open_file(path, nbytes)
@@ -179,9 +179,8 @@ def _aligned(nbytes: int) -> int:
 
 def copy(dst: torch.Tensor, src: torch.Tensor, divisor: int = 1) -> None:
     """dst.copy_(src) for CPU tensors of the same shape and dtype, through numpy where it can:
-    numpy copies a block of rows or columns row by row with memcpy, ~4x faster than torch's
-    strided copy from a block of columns (1.2 against 4.9 ms for 6.8 MB, from DRAM). With a
-    divisor, ``torch.div(src, divisor, out=dst)`` in the same pass: IEEE division, so bitwise
+    numpy copies a block of rows or columns row by row with memcpy, several times faster than
+    torch's strided copy from a block of columns. With a divisor, ``torch.div(src, divisor, out=dst)`` in the same pass: IEEE division, so bitwise
     what ``div_`` gives afterwards."""
     try:
         if divisor == 1:
@@ -542,8 +541,6 @@ def _create_backend(store, rank, size, timeout):  # called by dist.new_group
 
 def unavailable_reason(world: dist.ProcessGroup) -> Optional[str]:
     """Why this rank cannot use shared memory, or None. Local checks only."""
-    if os.environ.get("TORCHREC_CLOUD_SHM", "1") == "0":
-        return "TORCHREC_CLOUD_SHM=0"
     if dist.get_backend(world) != "gloo":
         return f"backend {dist.get_backend(world)}"
     return host_reason(world.size())
@@ -559,10 +556,10 @@ def host_reason(ranks: int) -> Optional[str]:
     if free < MIN_FREE_PER_RANK * ranks:
         return (f"{SHM_DIR} has {free / 2**20:.0f} MiB free, less than {MIN_FREE_PER_RANK >> 20} MiB per rank "
                 "(docker run --shm-size, or a memory emptyDir on Kubernetes)")
-    from torchrec_cloud import native
+    from torchrec_cloud.speedups import native
 
     if native.library() is None:
-        return "the C kernels are not built"
+        return "the C kernels are not available (not built, or --no-cpu_kernels)"
     return None
 
 
@@ -574,7 +571,7 @@ def _on_every_rank(flag: bool, group: dist.ProcessGroup) -> bool:
 
 def shared_memory_group(timeout: timedelta = timedelta(minutes=30), background: bool = False) -> Optional[dist.ProcessGroup]:
     """A process group over all ranks that uses shared memory, or None where it cannot
-    (ranks on several hosts or IPC namespaces, no /dev/shm, no C kernels, TORCHREC_CLOUD_SHM=0).
+    (ranks on several hosts or IPC namespaces, no /dev/shm, no C kernels).
 
     Collective: every rank calls it, and every rank gets a group or every rank gets None.
     """
@@ -587,7 +584,7 @@ def shared_memory_group(timeout: timedelta = timedelta(minutes=30), background: 
     if not _on_every_rank(reason is None, world):
         why_not = reason or "another rank cannot use it"
         return None
-    from torchrec_cloud import native
+    from torchrec_cloud.speedups import native
 
     gloo = dist.new_group(backend="gloo", timeout=timeout)
     run = [f"p{os.getpid()}-{secrets.token_hex(6)}"] if dist.get_rank() == 0 else [None]

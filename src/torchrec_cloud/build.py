@@ -1,0 +1,51 @@
+"""One builder of a trainer, shared by ``train`` and ``bench``: the model, the speed-ups layer,
+sharding over the ranks, the optimizers, the schedule and TorchRec's training pipeline::
+
+    env = init_distributed(cfg.train.backend, cfg.train.num_threads, cfg.train.pg_timeout_s)
+    trainer = build(cfg, env)                # collective: every rank calls it
+    loss, _, _ = trainer.pipeline.progress(batches)
+    trainer.scheduler.step()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.distributed.types import ShardingPlan
+from torchrec.optim.keyed import CombinedOptimizer
+
+from torchrec_cloud import compat, speedups
+from torchrec_cloud.config import JobConfig
+from torchrec_cloud.distributed import Env, shard_model
+from torchrec_cloud.model import build_model
+from torchrec_cloud.optim import WarmupPolyDecay, build_optimizer
+
+
+@dataclass
+class Trainer:
+    """What a training step needs, built for one rank."""
+
+    dmp: DistributedModelParallel
+    plan: ShardingPlan
+    optimizer: CombinedOptimizer
+    scheduler: WarmupPolyDecay
+    pipeline: TrainPipelineSparseDist
+    speedups: speedups.Speedups
+    collectives: str  # how the step communicates: "shared memory + gloo", "gloo", "nccl"
+
+
+def build(cfg: JobConfig, env: Env) -> Trainer:
+    """Build, shard and wrap the model of ``cfg`` for this rank (collective). The private
+    names of the stack are checked first (:mod:`torchrec_cloud.compat`)."""
+    compat.check()  # a core name that moved stops the run here, with its name
+    model = build_model(cfg.model, dense_device=env.device)
+    layer = speedups.prepare(cfg, env)
+    layer.apply_to_model(model)
+    dmp, plan = shard_model(model, cfg, env, layer.step_groups)
+    layer.apply_to_sharded(dmp)
+    optimizer = build_optimizer(dmp, cfg.optimizer)
+    scheduler = WarmupPolyDecay(optimizer, cfg.optimizer)
+    pipeline = TrainPipelineSparseDist(dmp, optimizer, env.device, execute_all_batches=True)
+    return Trainer(dmp, plan, optimizer, scheduler, pipeline, layer, layer.collectives(env))

@@ -1,0 +1,361 @@
+"""Checkpoints that survive preemption: sharded save/load with torch.distributed.checkpoint.
+
+A checkpoint holds everything a run needs to continue exactly where it stopped: the
+sharded model (``DistributedModelParallel.state_dict()``: embedding tables as
+ShardedTensors with their global layout, dense layers as plain tensors), the fused
+row-wise Adagrad state of the tables, the dense optimizer, the learning-rate schedule,
+the step, the data position (epoch, batch) and each rank's RNG states. Because the
+tables are saved with their global layout, a checkpoint written by 2 ranks loads on 1
+rank or on 4: DCP reads each rank's new shards out of the saved ones.
+
+The training loop uses it like this (see ``train.run``)::
+
+    checkpoints = Checkpointer(cfg, env, sink)       # checks storage, finds what to resume
+    position = checkpoints.load(dmp, optimizer, scheduler)   # when there is one
+    ...
+    if checkpoints.due(step):
+        checkpoints.save(position, dmp, optimizer, scheduler)
+    ...
+    checkpoints.close()                               # waits for an async save to commit
+
+Layout under ``--checkpoint_path`` (a folder, or an ``s3://``, ``gs://``, ``az://`` URL
+through :mod:`torchrec_cloud.storage`)::
+
+    step_00000200/
+        __0_0.distcp  __1_0.distcp   one file of tensors per rank (DCP)
+        .metadata                    DCP's index of every tensor and shard
+        COMMIT.json                  written last, by rank 0, once every rank has finished
+
+A checkpoint exists only once ``COMMIT.json`` is there and every file it lists has the
+size it records: a save cut short by a crash or a kill, or a file truncated later, is
+skipped with a warning naming it, and the newest complete one before it is used. Only
+the newest ``--checkpoint_keep`` complete checkpoints are kept.
+
+SIGTERM (what Kubernetes and the clouds send before a spot or preemptible node goes
+away) sets a flag; the loop finishes the step in progress, all ranks agree to stop,
+save, and every process exits with ``launch.EXIT_PREEMPTED`` (:mod:`torchrec_cloud.preemption`).
+
+Users look at checkpoints with ``torchrec-cloud checkpoint ls|inspect`` (:mod:`.cli`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import time
+import warnings
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from torchrec_cloud import storage
+from torchrec_cloud.checkpoint.dcp import dcp_storage, private_copy, set_rng_state, training_state
+from torchrec_cloud.checkpoint.store import (
+    COMMIT_FILE,
+    FORMAT_VERSION,
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointWarning,
+    apply_retention,
+    checkpoint_name,
+    newest_complete,
+    resolve,
+)
+from torchrec_cloud.compat import already_staged
+from torchrec_cloud.config import ConfigError, JobConfig
+
+if TYPE_CHECKING:  # torch loads only where a command needs it: `checkpoint ls` does not
+    import torch
+
+
+@dataclasses.dataclass
+class Position:
+    """Where training stands: steps done, and the next batch to train (epoch, batch index)."""
+
+    step: int = 0
+    epoch: int = 0
+    batch: int = 0
+
+    @classmethod
+    def after(cls, step: int, epoch: int, batch: int, batches_per_epoch: int) -> "Position":
+        """The position after ``batch`` batches of ``epoch``; a finished epoch is the next one's start."""
+        if batch >= batches_per_epoch:
+            return cls(step, epoch + 1, 0)
+        return cls(step, epoch, batch)
+
+
+def _one_line(text: str, limit: int = 600) -> str:
+    """Service errors carry multi-line bodies (XML, JSON); a start-up error is one line."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _agree(env, fn: Callable[[], Any], flag: str) -> Any:
+    """Run ``fn`` on rank 0 and hand its result, or its error, to every rank, so a bad
+    path fails all ranks at start-up instead of leaving some waiting in a collective."""
+    from torchrec_cloud import comm
+
+    box: list[Any] = [None]
+    if env.rank == 0:
+        try:
+            box[0] = ("ok", fn())
+        except ConfigError as e:
+            box[0] = ("config", e.flag, str(e).split(": ", 1)[-1])
+        except storage.StorageError as e:
+            box[0] = ("config", flag, _one_line(str(e)))
+        except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks too
+            box[0] = ("error", f"{type(e).__name__}: {e}")
+    result = comm.broadcast_object(box[0], src=0)
+    if result[0] == "config":
+        raise ConfigError(result[1], result[2])
+    if result[0] == "error":
+        raise CheckpointError(f"rank 0 could not find the checkpoint to resume: {result[1]}")
+    return result[1]
+
+
+@dataclasses.dataclass
+class _PendingSave:
+    future: Future
+    path: str
+    trainer: dict[str, Any]
+    start: float
+    stall: float
+    reason: str
+
+
+class Checkpointer:
+    """Saves, resumes and prunes the checkpoints of one run (see the module docstring).
+
+    Built in the set-up phase, before the model: it checks that ``--checkpoint_path`` is
+    reachable and writable with the credentials at hand, and finds the checkpoint to resume
+    (``--resume_from``, else the newest complete one under ``--checkpoint_path``). Any
+    problem is a :class:`ConfigError` naming the flag, before a single training step.
+    """
+
+    def __init__(self, cfg: JobConfig, env, sink) -> None:
+        from torchrec_cloud import comm
+
+        self.cfg = cfg
+        self.ck = cfg.checkpoint
+        self.env = env
+        self.sink = sink
+        self.root = self.ck.checkpoint_path
+        self._last_step: Optional[int] = None
+        self._pending: Optional[_PendingSave] = None
+        self._async_group = None
+        if self.root is not None:
+            self._check_writable()
+        self.resume_target: Optional[CheckpointInfo] = _agree(env, self._find_resume_target, "checkpoint_path")
+        if self.resume_target is not None:
+            self._check_compatible(self.resume_target)
+        if self.ck.async_checkpoint and self.root is not None:
+            # The background save runs its own collectives; on the training group they
+            # would interleave with the training thread's in a different order per rank.
+            self._async_group = comm.background_group()
+
+    @property
+    def enabled(self) -> bool:
+        return self.root is not None
+
+    # -- start-up checks
+
+    def _check_writable(self) -> None:
+        """Every rank writes its own shards, so every rank checks its own access."""
+        probe = storage.join(self.root, f".probe-rank{self.env.rank}-{os.getpid()}")
+        error = ""
+        try:
+            storage.check_access(self.root)
+            storage.makedirs(self.root)
+            storage.write_bytes(probe, b"ok")
+            storage.remove(probe)
+        except storage.StorageError as e:
+            error = _one_line(str(e))
+        from torchrec_cloud import comm
+
+        errors = comm.all_gather_object(error)
+        for rank, message in enumerate(errors):
+            if message:
+                raise ConfigError(
+                    "checkpoint_path", f"cannot write checkpoints (rank {rank}): {message}"
+                )
+
+    def _find_resume_target(self) -> Optional[CheckpointInfo]:
+        if self.ck.resume_from is not None:
+            target = resolve(self.ck.resume_from)
+            newer = newest_complete(self.root, warn=False) if self.root is not None else None
+            if newer is not None and (newer.step or 0) > (target.step or 0):
+                warnings.warn(
+                    f"--checkpoint_path {self.root} already holds {newer.name}, newer than "
+                    f"--resume_from {target.path}; a restart without --resume_from would resume "
+                    "from it, and it counts towards --checkpoint_keep. Use a fresh --checkpoint_path "
+                    "to branch off an older checkpoint.",
+                    CheckpointWarning,
+                    stacklevel=2,
+                )
+            return target
+        if self.root is not None:
+            return newest_complete(self.root)
+        return None
+
+    def _check_compatible(self, info: CheckpointInfo) -> None:
+        saved = (info.commit or {}).get("config", {}).get("model")
+        current = dataclasses.asdict(self.cfg.model)
+        if saved is None or saved == current:
+            return
+        diffs = ", ".join(
+            f"--{k} {saved.get(k)} (saved) vs {current.get(k)} (now)"
+            for k in sorted(current)
+            if saved.get(k) != current.get(k)
+        )
+        flag = "resume_from" if self.ck.resume_from else "checkpoint_path"
+        raise ConfigError(flag, f"{info.path} was written for a different model: {diffs}")
+
+    # -- resume
+
+    def load(self, dmp: torch.nn.Module, optimizer: Any, scheduler: Any) -> Position:
+        """Load the resume target into the sharded model, optimizers and schedule, in place;
+        tables are resharded when the number of ranks changed. Returns where to continue."""
+        from torch.distributed.checkpoint import load
+
+        info = self.resume_target
+        assert info is not None and info.commit is not None
+        reader = dcp_storage(info.path, write=False)
+        metadata = reader.read_metadata()
+        rng_key = f"rng.rank_{self.env.rank}.torch"
+        state = training_state(dmp, optimizer, self.env.rank, with_rng=rng_key in metadata.state_dict_metadata)
+        try:
+            load(state, storage_reader=reader)
+        except Exception as e:
+            raise CheckpointError(f"cannot load checkpoint {info.path}: {e}") from e
+        dmp.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        trainer = info.commit["trainer"]
+        scheduler.load_state_dict(trainer["scheduler"])
+        if "rng" in state:
+            set_rng_state(state["rng"][f"rank_{self.env.rank}"])
+        self._last_step = int(trainer["step"]) if self._is_ours(info) else None
+        return Position(int(trainer["step"]), int(trainer["epoch"]), int(trainer["batch"]))
+
+    def _is_ours(self, info: CheckpointInfo) -> bool:
+        """Whether ``info`` lives under --checkpoint_path (then it need not be saved again)."""
+        if self.root is None:
+            return False
+        ours = storage.join(self.root, info.name)
+        if storage.is_url(ours):
+            return info.path.rstrip("/") == ours.rstrip("/")
+        return os.path.realpath(info.path) == os.path.realpath(ours)
+
+    # -- save
+
+    def due(self, step: int) -> bool:
+        every = self.ck.checkpoint_interval
+        return self.enabled and bool(every) and step % every == 0
+
+    def save(self, position: Position, dmp: torch.nn.Module, optimizer: Any, scheduler: Any, reason: str = "interval") -> None:
+        """Write a checkpoint of ``position`` (every rank calls this at the same step, with
+        no batch in flight). Sync: returns once it is committed. Async: returns once the
+        state is copied; the commit happens when the background write finishes."""
+        if not self.enabled or position.step == self._last_step:
+            return
+        self.wait()  # the previous background save commits first (its stall counts the wait)
+        from torch.distributed.checkpoint import async_save, save
+
+        from torchrec_cloud import comm
+
+        start = time.perf_counter()
+        path = storage.join(self.root, checkpoint_name(position.step))
+        if self.env.is_main and storage.exists(path):
+            storage.remove(path, recursive=True)  # leftovers of a save that never committed
+        comm.barrier()
+        trainer = {
+            "step": position.step,
+            "epoch": position.epoch,
+            "batch": position.batch,
+            "scheduler": scheduler.state_dict(),
+        }
+        state = training_state(dmp, optimizer, self.env.rank)
+        writer = dcp_storage(path, write=True)
+        self._last_step = position.step
+        try:
+            if self._async_group is not None:
+                future = async_save(
+                    private_copy(state),
+                    storage_writer=writer,
+                    process_group=self._async_group,
+                    async_stager=already_staged(),
+                )
+                self._pending = _PendingSave(future, path, trainer, start, time.perf_counter() - start, reason)
+                return
+            save(state, storage_writer=writer)
+        except storage.StorageError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"cannot save checkpoint {path}: {e}") from e
+        comm.barrier()
+        seconds = time.perf_counter() - start
+        self._commit(path, trainer, seconds, seconds, reason, is_async=False)
+
+    def poll(self) -> None:
+        """Commit a finished background save; cheap, call it between segments."""
+        if self._pending is not None and self._pending.future.done():
+            self.wait()
+
+    def wait(self, training_waits: bool = True) -> None:
+        """Block until a background save is written, then commit it. Where training waits
+        meanwhile, the time blocked is part of that save's stall, next to its copy."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        blocked = time.perf_counter()
+        try:
+            pending.future.result()
+        except Exception as e:
+            raise CheckpointError(f"background save of {pending.path} failed: {e}") from e
+        now = time.perf_counter()
+        stall = pending.stall + (now - blocked if training_waits else 0.0)
+        # Rank 0 coordinates DCP's save: its future resolves only after every rank's
+        # shards and the .metadata index are written, so it may commit without a barrier.
+        self._commit(pending.path, pending.trainer, now - pending.start, stall, pending.reason, is_async=True)
+
+    def close(self) -> None:
+        self.wait(training_waits=False)  # training is over: waiting for the write stalls no step
+
+    def _commit(self, path: str, trainer: dict, seconds: float, stall: float, reason: str, is_async: bool) -> None:
+        if not self.env.is_main:
+            return
+        files = {
+            name: storage.size(storage.join(path, name))
+            for name in storage.listdir(path)
+            if name != COMMIT_FILE and not name.startswith(".tmp-")
+        }
+        total = sum(files.values())
+        commit = {
+            "format": FORMAT_VERSION,
+            "step": trainer["step"],
+            "world_size": self.env.world_size,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "reason": reason,
+            "async": is_async,
+            "seconds": round(seconds, 4),
+            "bytes": total,
+            "files": files,
+            "trainer": trainer,
+            "config": self.cfg.to_dict(),
+        }
+        storage.write_bytes(storage.join(path, COMMIT_FILE), json.dumps(commit, indent=1).encode())
+        deleted = apply_retention(self.root, self.ck.checkpoint_keep)
+        self.sink.log(
+            {
+                "event": "checkpoint",
+                "step": trainer["step"],
+                "path": path,
+                "seconds": round(seconds, 4),
+                "stall_s": round(stall, 4),
+                "bytes": total,
+                "reason": reason,
+                "async": is_async,
+                "deleted": len(deleted),
+                "world_size": self.env.world_size,
+            }
+        )
