@@ -141,3 +141,33 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(tmp_path):
     resumed = last(records, event="resume")
     assert (resumed["saved_world_size"], resumed["world_size"]) == (1, 2)
     assert_same_metrics(metrics(one), records)
+
+
+def test_sigterm_with_a_frozen_peer_exits_after_the_stall_limit_not_the_launchers_kill(tmp_path):
+    """A peer that stops answering (a frozen node; on GPUs, NCCL waits for a dead one too)
+    leaves the other rank inside a collective, where a SIGTERM only sets a flag. It must
+    give up after --stop_stall_s, not hold the restart until torchrun's SIGKILL."""
+    out = tmp_path / "run"
+    cmd = train_cmd(2, out, "--num_epochs", "200", "--log_every", "1", "--stop_stall_s", "3",
+                    "--checkpoint_path", str(out / "ckpt"), launcher=LAUNCH)  # fmt: skip
+    cmd.insert(cmd.index("-m", len(LAUNCH)), "--shutdown_timeout=120")  # torchrun's SIGKILL comes late
+    proc = start(cmd)
+    try:
+        wait_for(lambda: any(r.get("event") == "train" and r["step"] >= 5 for r in metrics(out)), proc, 300, "step 5")
+        workers = worker_pids(proc.pid)
+        os.kill(workers[1], signal.SIGSTOP)
+        time.sleep(1.0)  # rank 0 is now waiting on rank 1 in a collective
+        signalled = time.monotonic()
+        os.kill(workers[0], signal.SIGTERM)
+        while Path(f"/proc/{workers[0]}").exists() and time.monotonic() - signalled < 60:
+            if Path(f"/proc/{workers[0]}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break  # exited; its parent has not reaped it yet
+            time.sleep(0.1)
+        gone_after = time.monotonic() - signalled
+    finally:
+        for pid in children(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        output = proc.communicate(timeout=60)[0]
+    assert gone_after < 20, f"rank 0 still running {gone_after:.0f}s after SIGTERM:\n{output[-3000:]}"
+    assert "no training step has finished for 3 s" in output, output[-3000:]

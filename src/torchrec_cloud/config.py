@@ -262,8 +262,13 @@ class TrainConfig:
     pg_timeout_s: int = field(default_factory=lambda: _env_int("pg_timeout_s", "TORCHREC_CLOUD_PG_TIMEOUT_S", 1800))
     """Seconds a collective may wait for another rank before the run fails (default 1800,
     or TORCHREC_CLOUD_PG_TIMEOUT_S)."""
+    stop_stall_s: float = 120.0
+    """After SIGTERM, a rank that finishes no training step for this many seconds (blocked
+    in a collective with a lost or frozen peer) exits without saving, so that a restart is
+    not held up until the launcher's SIGKILL; 0: wait for the step however long."""
 
     def __post_init__(self) -> None:
+        _positive("stop_stall_s", self.stop_stall_s, allow_zero=True)
         _positive("num_epochs", self.num_epochs)
         _positive("eval_every", self.eval_every, allow_zero=True)
         _positive("log_every", self.log_every)

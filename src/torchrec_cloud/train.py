@@ -51,7 +51,7 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
     sink = build_sinks(cfg, env)
     # Storage access and the checkpoint to resume are checked before anything is built.
     checkpoints = Checkpointer(cfg, env, sink)
-    preemption = Preemption(checkpoints=checkpoints.enabled)  # SIGTERM: finish the step, save, stop
+    preemption = Preemption(checkpoints.enabled, cfg.train.stop_stall_s)  # SIGTERM: finish the step, save, stop
     from tqdm import tqdm
 
     # -- build -------------------------------------------------------------------------
@@ -231,29 +231,34 @@ def agreed_batches(batches: Iterator, limit: int, window: "_Window", preemption:
     """
 
     def fetch() -> tuple[Any, Any]:
+        preemption.beat()
         t0 = time.perf_counter()
         batch = next(batches, None)
         window.data_wait += time.perf_counter() - t0
         return batch, comm.all_min_async([batch is not None, not preemption.requested])
 
-    ahead = fetch() if limit > 0 else None
-    for i in range(limit):
-        batch, agreement = ahead
-        # Every rank starts the next agreement before reading this one, so all ranks issue
-        # the same sequence of all-reduces whichever batch they stop at.
-        ahead = fetch() if i + 1 < limit else None
-        t0 = time.perf_counter()
-        have, go_on = agreement()
-        window.data_wait += time.perf_counter() - t0
-        if not (have and go_on):
-            if ahead is not None:
-                ahead[1]()  # completes on every rank; nothing is left in flight
-            if not have and batch is not None:
-                warnings.warn("another rank ran out of training batches; stopping the epoch on all ranks")
-            if have:
-                preemption.stop = True
-            return
-        yield batch
+    preemption.training(True)
+    try:
+        ahead = fetch() if limit > 0 else None
+        for i in range(limit):
+            batch, agreement = ahead
+            # Every rank starts the next agreement before reading this one, so all ranks issue
+            # the same sequence of all-reduces whichever batch they stop at.
+            ahead = fetch() if i + 1 < limit else None
+            t0 = time.perf_counter()
+            have, go_on = agreement()
+            window.data_wait += time.perf_counter() - t0
+            if not (have and go_on):
+                if ahead is not None:
+                    ahead[1]()  # completes on every rank; nothing is left in flight
+                if not have and batch is not None:
+                    warnings.warn("another rank ran out of training batches; stopping the epoch on all ranks")
+                if have:
+                    preemption.stop = True
+                return
+            yield batch
+    finally:
+        preemption.training(False)
 
 
 class _Window:
