@@ -65,7 +65,7 @@ _TB_KEYS = {
 # The Custom Scalars tab: a split's curves on one chart, with the best possible AUC.
 _TB_LAYOUT = {
     "torchrec-cloud": {
-        "AUC (val, test, Bayes-optimal)": ["Multiline", [r"val/auc", r"val/bayes_auc", r"test/auc"]],
+        "AUC (val, test, Bayes-optimal)": ["Multiline", [r"val/auc", r"val/bayes_auc", r"test/auc", r"test/bayes_auc"]],
         "loss (train, val)": ["Multiline", [r"train/loss", r"val/logloss"]],
     }
 }
@@ -176,7 +176,7 @@ class ConsoleSink(MetricsSink):
     def _end_lines(self, r: dict[str, Any]) -> list[str]:
         head = f"[end] step {r['step']}"
         if r.get("preempted"):
-            head += " (stopped for a preemption: run the same command again to resume from its checkpoint)"
+            head += ": stopped for a preemption, exit code 200 (with --checkpoint_path, the same command resumes)"
         else:
             head += f" in {_duration(r.get('seconds') or 0)} ({r.get('samples_per_s', 0):,.0f} samples/s)"
             if self._test is not None and self._test.get("auc") is not None:
