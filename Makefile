@@ -1,18 +1,22 @@
 # The README's two commands: `make quickstart` and `make test`. Both install the pinned
-# stack into .venv first (fast when already done).
+# stack into .venv first (fast when already done): `make quickstart` with what the
+# commands need (the `report` and `deploy` extras), `make test` also with the test tools,
+# storage emulators and cloud SDKs (the `test` extra).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 OUTPUT_DIR ?= runs/quickstart
 PYTEST_ARGS ?=
+EXTRAS ?= report,deploy
 
 .PHONY: install quickstart test bench clean render
 
 install:
-	@VENV=$(VENV) bash scripts/install.sh
+	@VENV=$(VENV) EXTRAS=$(EXTRAS) bash scripts/install.sh
 
 quickstart: install
 	$(PY) -m torchrec_cloud train --preset quickstart --output_dir $(OUTPUT_DIR)
 
+test: EXTRAS = test
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 

@@ -5,14 +5,15 @@
 #   VENV=/opt/venv bash scripts/install.sh
 #   TORCHREC_CLOUD_DEVICE=cpu|cuda     # force the flavour
 #   TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu   # where torch comes from, if not PyPI
-#   EXTRAS=test                        # which extras of this package to install (default: test)
+#   EXTRAS=report,deploy               # extras of this package to install (default: report,deploy,
+#                                      # what the commands need; `make test` passes EXTRAS=test)
 #
 # Idempotent: a stamp in the venv records what was installed; a second run with the same
 # pins, extras and flavour returns at once. The Dockerfiles run this same script.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$here/.venv}"
-EXTRAS="${EXTRAS:-test}"
+EXTRAS="${EXTRAS:-report,deploy}"
 
 # shellcheck disable=SC1091
 source <(grep -E '^[A-Z_]+=' "$here/requirements/stack.txt")

@@ -82,7 +82,7 @@ def test_round_trip(storage_root, tmp_path, capsys):
     assert code == 0 and "step_00000006" in out and "complete" in out
 
 
-def test_async_save_commits_the_same_checkpoint(sync_run, tmp_path):
+def test_async_save_commits_the_same_checkpoint(sync_run, tmp_path, capsys):
     _, sync_root, sync_result = sync_run
     root = tmp_path / "ckpt"
     result = train(config(tmp_path, *SHORT, "--checkpoint_path", str(root), "--checkpoint_keep", "0", "--async_checkpoint"))
@@ -95,6 +95,13 @@ def test_async_save_commits_the_same_checkpoint(sync_run, tmp_path):
         assert sorted(expected) == sorted(actual)
         assert all(torch.equal(expected[k], actual[k]) for k in expected), name
     assert scores(result) == scores(sync_result)
+
+    # What users have at hand: the run folder, or the folder of checkpoints.
+    capsys.readouterr()
+    code, out, _ = cli_main(capsys, "checkpoint", "ls", str(tmp_path))
+    assert code == 0 and "step_00000003" in out and "step_00000006" in out, out
+    code, out, err = cli_main(capsys, "checkpoint", "inspect", str(root))
+    assert code == 0 and "step_00000006" in out and "inspecting the newest complete one" in err, err
 
 
 def test_waiting_for_a_slow_background_save_is_that_saves_stall(tmp_path, monkeypatch):

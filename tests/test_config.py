@@ -64,7 +64,7 @@ def test_flags_override_the_preset_and_accept_the_seed_list_forms():
     [
         (["--batch_size", "0"], "batch_size"),
         (["--learning_rate", "-1"], "learning_rate"),
-        (["--embedding_dim", "32"], "dense_arch_layer_sizes"),  # bottom MLP must end at 32
+        (["--embedding_dim", "32", "--dense_arch_layer_sizes", "512,64"], "dense_arch_layer_sizes"),  # must end at 32
         (["--over_arch_layer_sizes", "512,2"], "over_arch_layer_sizes"),
         (["--num_embeddings_per_feature", "10,20"], "num_embeddings_per_feature"),
         (["--lr_end", "2"], "lr_end"),

@@ -386,7 +386,7 @@ def test_cpu_nodes_request_no_gpu():
         (dict(cloud="aws", instance_type="p9.huge"), "instance_type"),
         (dict(grace_period_s=5), "grace_period_s"),
         (dict(train_args=["--batch_size", "0"]), "batch_size"),
-        (dict(train_args=["--embedding_dim", "32"]), "dense_arch_layer_sizes"),
+        (dict(train_args=["--embedding_dim", "32", "--dense_arch_layer_sizes", "512,64"]), "dense_arch_layer_sizes"),
     ],
 )
 def test_bad_options_name_the_flag(kw, flag):

@@ -126,3 +126,48 @@ def test_run_killed_mid_write_is_still_plotted(run_dir: Path, tmp_path: Path, ca
     code, stdout, stderr = cli(capsys, "report", str(tmp_path))
     assert code == 0, stderr
     assert "cut off" in stdout
+
+
+def write_records(folder: Path, records: list[dict]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return folder
+
+
+def made_run(batch: int, ranks: list[int], spike: bool = False) -> list[dict]:
+    """A run's records: ``ranks[i]`` ranks for the i-th 10 steps, a resume where it changes,
+    a loss spike at the first record if asked, and one evaluation at the end."""
+    records = [{"event": "start", "step": 0, "world_size": ranks[0], "config": {"data": {"batch_size": batch}},
+                "bayes_auc": 0.82}]  # fmt: skip
+    for i, world in enumerate(ranks):
+        step = 10 * (i + 1)
+        if i and world != ranks[i - 1]:
+            records.append({"event": "resume", "step": step - 10, "world_size": world})
+        loss = 76.4 if spike and i == 0 else 0.7 - 0.01 * i
+        records.append({"event": "train", "step": step, "loss": loss, "samples_per_s": 1e4, "world_size": world})
+    records.append({"event": "eval", "split": "val", "step": 10 * len(ranks), "auc": 0.8, "logloss": 0.5})
+    return records
+
+
+def test_a_loss_spike_stays_on_the_plot_without_flattening_it() -> None:
+    from torchrec_cloud.report import _loss_cap
+
+    values = [76.4] + [0.7 - 0.01 * i for i in range(20)]
+    cap = _loss_cap(values)
+    assert cap is not None and 0.7 < cap < 1.0  # the curve fills the axis; the spike sits on its edge
+    assert _loss_cap([0.7 - 0.01 * i for i in range(20)]) is None  # nothing to clip
+
+
+def test_runs_of_other_batch_sizes_and_resumes_are_drawn_against_samples(tmp_path: Path, capsys) -> None:
+    from torchrec_cloud.report import _by_samples, load_run
+
+    one = write_records(tmp_path / "one", made_run(8192, [1] * 6, spike=True))
+    two = write_records(tmp_path / "two", made_run(2048, [2, 2, 2, 1, 1, 1]))
+    runs = [load_run(one), load_run(two)]
+    assert not _by_samples(runs[:1]) and _by_samples(runs)
+    # 2 ranks x 2048 for 30 steps, then 1 rank after the resume.
+    assert runs[1].samples_at([30, 60]) == [30 * 4096, 30 * 4096 + 30 * 2048]
+    code, stdout, stderr = cli(capsys, "report", str(one), str(two), "--output", str(tmp_path / "plots"))
+    assert code == 0, stderr
+    assert "resumed 1x" in stdout
+    assert all((tmp_path / "plots" / name).stat().st_size > 10_000 for name in PLOTS)

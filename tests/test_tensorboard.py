@@ -37,3 +37,13 @@ def test_tensorboard_reads_back_the_run(tmp_path_factory) -> None:
             assert math.isclose(g, w, rel_tol=1e-6, abs_tol=1e-9), (tag, g, w)  # stored as float32
     assert [e.step for e in acc.Scalars("val/auc")] == [40, 80]
     assert all(0.0 <= e.value <= 1.0 for e in acc.Scalars("test/auc"))
+    # TensorBoard lists groups alphabetically: train, val and test are the only ones, and
+    # each value is there once (a train record's logloss is its loss).
+    assert {tag.split("/")[0] for tag in tags} == {"train", "val", "test"}, tags
+    assert "train/logloss" not in tags and "val/loss" not in tags
+    # The best possible AUC of the planted data, beside the model's at each evaluation.
+    bayes = [(e.step, e.value) for e in acc.Scalars("val/bayes_auc")]
+    assert [s for s, _ in bayes] == [40, 80]
+    assert all(math.isclose(v, run.records[0]["bayes_auc"], rel_tol=1e-6) for _, v in bayes)
+    # The Custom Scalars tab overlays them on one chart.
+    assert acc.Tags().get("tensors") and any("custom_scalars" in t for t in acc.Tags()["tensors"])

@@ -1,5 +1,6 @@
 """Training end to end: learning is real, ranks agree, the seed commands run."""
 
+import os
 import re
 
 import pytest
@@ -102,13 +103,14 @@ def test_two_ranks_through_torchrun_agree_and_spread_tables(tmp_path):
     assert len(lines) == 1  # only rank 0 prints
     val = evals(records, "val")[-1]
     assert val["rows"] == 4 * 256  # the whole split, not one rank's half
-    # The plan puts tables on both ranks.
-    plan_lines = [line for line in proc.stdout.splitlines() if line.startswith("t_cat_")]
-    ranks = set()
+    # The plan puts tables on both ranks: a line per placement, tables of one placement grouped.
+    plan_lines = [line for line in proc.stdout.splitlines() if line.startswith("  t_cat_")]
+    ranks, tables = set(), 0
     for line in plan_lines:
-        ranks |= set(int(r) for r in re.findall(r"\d+", line[line.index("["):]))
+        ranks |= set(int(r) for r in line.rsplit("ranks ", 1)[1].split(","))
+        tables += int(re.search(r"\((\d+) tables\)", line).group(1)) if "tables)" in line else 1
         assert " fused " in line, line
-    assert len(plan_lines) == 26 and ranks == {0, 1}, proc.stdout
+    assert 1 < len(plan_lines) < 26 and tables == 26 and ranks == {0, 1}, proc.stdout
 
 
 def test_ranks_with_unequal_batch_counts_stop_together(tmp_path):
@@ -141,10 +143,11 @@ SEED_FLAGS = ["--num_batches_per_epoch", "3", "--num_eval_batches", "2", "--no-p
 
 def test_seed_quickstart_command_runs_from_its_folder(tmp_path):
     # `python train_torchrec_quickstart.py --batch_size 4096 --embedding_dim 256 --num_epochs 10
-    # --learning_rate 0.5`, cut to a few steps and small tables to keep the suite fast.
+    # --learning_rate 0.5` as the seed writes it, cut to a few steps and small tables to keep
+    # the suite fast (the bottom MLP's last layer follows --embedding_dim).
     proc = run(
         [PYTHON, "train_torchrec_quickstart.py", "--batch_size", "4096", "--embedding_dim", "256",
-         "--dense_arch_layer_sizes", "512,256,256", "--num_epochs", "2", "--learning_rate", "0.5",
+         "--num_epochs", "2", "--learning_rate", "0.5",
          "--num_embeddings", "2000", *SEED_FLAGS, "--output_dir", str(tmp_path)],
         cwd=REPO / "quickstart",
     )  # fmt: skip
@@ -153,6 +156,7 @@ def test_seed_quickstart_command_runs_from_its_folder(tmp_path):
     cfg = records[0]["config"]
     assert cfg["preset"] == "quickstart"
     assert cfg["data"]["batch_size"] == 4096 and cfg["model"]["embedding_dim"] == 256
+    assert cfg["model"]["dense_arch_layer_sizes"] == [512, 256, 256]
     assert cfg["optimizer"]["learning_rate"] == 0.5 and cfg["train"]["num_epochs"] == 2
     assert [r["step"] for r in evals(records, "test")] == [6]
 
@@ -168,6 +172,11 @@ def test_seed_quickstart_under_torchrun_with_four_ranks(tmp_path):
     records = read_metrics(tmp_path)
     assert records[0]["world_size"] == 4
     assert evals(records, "test")
+    cores = len(os.sched_getaffinity(0))
+    warned = [line for line in proc.stderr.splitlines() if "ranks on this host share" in line]
+    assert len(warned) == (1 if cores < 4 else 0), proc.stderr  # once per host, where it applies
+    if warned:
+        assert f"--nproc_per_node={cores}" in warned[0]
 
 
 def test_seed_train_dlrm_accepts_the_criteo_flags(tmp_path):

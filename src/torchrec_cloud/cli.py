@@ -8,21 +8,24 @@ namespace and returning an exit code::
     torchrun --nproc_per_node=2 -m torchrec_cloud train --preset quickstart
     torchrec-cloud bench --json
 
-Bad flags and bad values end with one line naming the flag and exit code 2.
+Bad flags and bad values end with one line naming the flag and exit code 2. Every flag is
+accepted as ``--flag_name`` or ``--flag-name``; abbreviations are refused
+(:class:`~torchrec_cloud.config.FlagParser`).
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 from typing import Optional
 
-from torchrec_cloud.config import ConfigError
+from torchrec_cloud import __version__
+from torchrec_cloud.config import ConfigError, FlagParser
 from torchrec_cloud.launch import EXIT_CONFIG, end_pod
 
 # Sub-command name -> module, in the order ``--help`` lists them. Only the module of the
-# command being run is imported, so `render` or `report` do not wait for torch to load.
+# command being run is imported, so `render` or `report` do not wait for torch to load,
+# and `torchrec-cloud --help` imports none of them.
 COMMANDS = {
     "train": "torchrec_cloud.train",
     "bench": "torchrec_cloud.bench",
@@ -35,8 +38,33 @@ COMMANDS = {
     "rehearse": "torchrec_cloud.rehearse",
 }
 
+# What `torchrec-cloud --help` says of each command; a command not named here is listed
+# with the first line of its module's docstring.
+SUMMARIES = {
+    "train": "train a DLRM/DCNv2 model",
+    "bench": "measure training throughput against a plain-PyTorch DLRM and the compute bound",
+    "report": "plot loss, AUC and samples/s of one or more runs and print a summary",
+    "render": "render Kubernetes manifests (Indexed Job, PyTorchJob, TrainJob) for a cloud",
+    "submit": "submit a training job to Kubernetes (kubectl), Azure ML or Vertex AI",
+    "data": "prepare Criteo data for training (preprocess TSV into binary shards)",
+    "checkpoint": "list and inspect checkpoints (a run folder, a local folder or s3://, gs://, az:// URL)",
+    "launch": "torchrun for Kubernetes pods: same flags, exit codes a controller can act on",
+    "rehearse": "run a rendered job's pods on this machine under its controller's rules, with faults",
+}
 
-class OneLineParser(argparse.ArgumentParser):
+# Optional packages -> the extra of this package that installs them.
+EXTRAS = {
+    "matplotlib": "report",
+    "jinja2": "deploy",
+    "yaml": "deploy",
+    "fsspec": "cloud",
+    "s3fs": "cloud",
+    "gcsfs": "cloud",
+    "adlfs": "cloud",
+}
+
+
+class OneLineParser(FlagParser):
     """An ArgumentParser whose errors are a single line (no usage block), exit code 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
@@ -44,32 +72,73 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(EXIT_CONFIG, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def build_parser(argv: Optional[list[str]] = None) -> argparse.ArgumentParser:
-    """The full parser, or (given ``argv`` naming a command) one with only that command."""
+def _summary(name: str) -> str:
+    """The command's line in ``--help``, without importing its module."""
+    if name in SUMMARIES:
+        return SUMMARIES[name]
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec(COMMANDS[name])
+    if spec is None or spec.origin is None:
+        return ""
+    with open(spec.origin, encoding="utf-8") as f:
+        doc = ast.get_docstring(ast.parse(f.read())) or ""
+    return doc.split("\n")[0]
+
+
+def version() -> str:
+    """This package's version and the stack's, read from the installed metadata (no imports)."""
+    from importlib import metadata
+
+    found = []
+    for dist in ("torch", "fbgemm-gpu", "fbgemm-gpu-cpu", "torchrec"):
+        try:
+            found.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return f"torchrec-cloud {__version__}" + (f" ({', '.join(found)})" if found else "")
+
+
+def build_parser(argv: Optional[list[str]] = None) -> FlagParser:
+    """The full parser: the command named in ``argv`` with all its flags, the others by name."""
     parser = OneLineParser(
         prog="torchrec-cloud",
         description="Train DLRM/DCNv2 recommendation models with TorchRec, locally or in the cloud.",
     )
+    parser.add_argument("--version", action="version", version=version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     sub.required = True
     first = next((a for a in argv or [] if not a.startswith("-")), None)
-    chosen = [first] if first in COMMANDS else list(COMMANDS)
-    for name in chosen:
-        importlib.import_module(COMMANDS[name]).add_parser(sub)
+    for name, module in COMMANDS.items():
+        if name == first:
+            importlib.import_module(module).add_parser(sub)
+        else:  # named for --help and for errors; parsing it again would import the module
+            sub.add_parser(name, help=_summary(name), add_help=False)
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(argv)
-    ns = parser.parse_args(argv)
     try:
+        parser = build_parser(argv)
+        ns = parser.parse_args(argv)
         return int(ns.func(ns) or 0)
     except ConfigError as e:
-        prog = f"torchrec-cloud {ns.command}"
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print(f"torchrec-cloud {_command(argv)}: error: {e}", file=sys.stderr)
         end_pod(EXIT_CONFIG)
         return EXIT_CONFIG
+    except ModuleNotFoundError as e:
+        extra = EXTRAS.get((e.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"torchrec-cloud {_command(argv)}: error: needs {e.name}: pip install 'torchrec-cloud[{extra}]' "
+              "(or `make install`)", file=sys.stderr)  # fmt: skip
+        return EXIT_CONFIG
+
+
+def _command(argv: list[str]) -> str:
+    return next((a for a in argv if a in COMMANDS), "")
 
 
 if __name__ == "__main__":

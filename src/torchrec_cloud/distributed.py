@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import sys
 from datetime import timedelta
 from typing import Optional
 
@@ -79,7 +80,12 @@ def init_distributed(backend: str = "auto", num_threads: int = 0, timeout_s: Opt
     else:
         device = torch.device("cpu")
     # Ranks on one host share its cores: give each its share, never more than all of them.
-    threads = num_threads or max(1, _cpu_count() // local_world_size)
+    cores = _cpu_count()
+    threads = num_threads or max(1, cores // local_world_size)
+    if device.type == "cpu" and local_world_size > cores and local_rank == 0:
+        print(f"warning: {local_world_size} ranks on this host share its {cores} core(s): each trains on less "
+              f"than a core, many times slower than {cores} rank(s) would (--nproc_per_node={cores})",
+              file=sys.stderr, flush=True)  # fmt: skip
     torch.set_num_threads(threads)
     keep_freed_memory()
     if not dist.is_initialized():
@@ -218,20 +224,41 @@ def fused_constraints(model: torch.nn.Module) -> dict[str, ParameterConstraints]
     }
 
 
-def plan_summary(plan: ShardingPlan) -> str:
-    """A short table of where each embedding table went."""
-    rows = []
+def plan_summary(plan: ShardingPlan, title: str = "sharding plan") -> str:
+    """Where the embedding tables went, tables with the same placement (sharding type,
+    kernel, ranks) on one line: ``title: t_cat_0..25 (26 tables)  column_wise  fused  ranks 0``
+    when they all share one, else ``title:`` and a line per placement."""
+    groups: dict[tuple[str, str, str], list[str]] = {}
     for module_path, module_plan in plan.plan.items():
         for table, ps in module_plan.items():  # type: ignore[union-attr]
-            ranks = ps.ranks if ps.ranks is not None else "all"
-            rows.append((table, ps.sharding_type, ps.compute_kernel, str(ranks)))
-    width = max((len(r[0]) for r in rows), default=5)
-    lines = [f"{'table':<{width}}  {'sharding':<12} {'kernel':<8} ranks"]
-    lines += [f"{t:<{width}}  {s:<12} {k:<8} {r}" for t, s, k, r in sorted(rows, key=_natural)]
-    return "\n".join(lines)
+            ranks = ",".join(str(r) for r in ps.ranks) if ps.ranks is not None else "all"
+            groups.setdefault((ps.sharding_type, ps.compute_kernel, ranks), []).append(table)
+    rows = sorted(((sorted(tables, key=_natural), *placement) for placement, tables in groups.items()),
+                  key=lambda row: _natural(row[0][0]))  # fmt: skip
+    spans = [_table_span(tables) for tables, *_ in rows]
+    width = max((len(span) for span in spans), default=5)
+    lines = [f"{span:<{width}}  {s:<12} {k:<8} ranks {r}" for span, (_, s, k, r) in zip(spans, rows)]
+    return f"{title}: {lines[0]}" if len(lines) == 1 else "\n  ".join([f"{title}:", *lines])
 
 
-def _natural(row: tuple[str, ...]) -> tuple:
-    name = row[0]
+def _table_span(tables: list[str]) -> str:
+    """``t_cat_0..12 (13 tables)``, ``t_cat_0..3,7,9 (6 tables)``: names sharing a stem, by
+    number; other names listed."""
+    stems = {t.rstrip("0123456789") for t in tables}
+    if len(tables) == 1 or len(stems) > 1 or any(t == t.rstrip("0123456789") for t in tables):
+        return ",".join(tables)
+    stem = stems.pop()
+    numbers = sorted(int(t[len(stem):]) for t in tables)
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    text = ",".join(f"{r[0]}..{r[-1]}" if len(r) > 2 else ",".join(map(str, r)) for r in runs)
+    return f"{stem}{text} ({len(tables)} tables)"
+
+
+def _natural(name: str) -> tuple:
     digits = "".join(ch for ch in name if ch.isdigit())
     return (name.rstrip("0123456789"), int(digits) if digits else 0)

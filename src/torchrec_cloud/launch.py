@@ -119,7 +119,9 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    args = torchrun.parse_args(argv)
+    parser = torchrun.get_args_parser()
+    parser.allow_abbrev = False  # `--nnode=2` is refused, as every flag of ours
+    args = parser.parse_args(argv)
     _set_is_host(args)
 
     def terminate(signum, frame):  # until torchrun's agent installs its own, which does the same

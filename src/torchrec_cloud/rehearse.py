@@ -55,7 +55,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from torchrec_cloud.config import ConfigError
+from torchrec_cloud.config import ConfigError, respelled
 
 POLL_S = 0.05
 _MARKER = "TORCHREC_CLOUD_REHEARSAL_POD"
@@ -773,12 +773,13 @@ def _output_folder(ns: argparse.Namespace) -> Path:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from torchrec_cloud.deploy.spec import spec_from_args
+    from torchrec_cloud.deploy.spec import spec_from_args, trainer_flags
 
     if ns.nproc_per_node < 1:
         raise ConfigError("nproc_per_node", f"must be >= 1, got {ns.nproc_per_node}")
     faults = [Fault.parse("preempt", f, ns.nodes) for f in ns.preempt] + [Fault.parse("kill", f, ns.nodes) for f in ns.kill]
     output = _output_folder(ns)
+    ns.train_args = respelled(ns.train_args or [], trainer_flags())  # `--output-dir` is `--output_dir`
     ns.gpus_per_node, ns.procs_per_node, ns.instance_type = 0, ns.nproc_per_node, None
     if not ns.checkpoint_url and "--checkpoint_path" not in (ns.train_args or []):
         ns.checkpoint_url = str(output / "checkpoints")

@@ -10,6 +10,12 @@ colour per run, for comparison::
 With one run the plots go to ``RUN_DIR/report/``; with several, to ``./report/`` unless
 ``--output`` says otherwise. A RUN_DIR may also be the path of a metrics.jsonl file.
 Needs matplotlib (``pip install 'torchrec-cloud[report]'``).
+
+The plots stay readable on what real runs do: a loss spike does not flatten the curve
+(the axis stops at a high percentile; the points above it are drawn at the top edge, with
+their value), resumes from a checkpoint are marked, runs whose global batches differ are
+drawn against samples seen rather than steps, and the step axis always spans the whole
+run, so a single evaluation is a point on it.
 """
 
 from __future__ import annotations
@@ -53,6 +59,36 @@ class Run:
                 steps.append(int(r["step"]))
                 values.append(float(v))
         return steps, values
+
+    def global_batch(self) -> Optional[int]:
+        """Samples per step over all ranks at the start (None when the run does not say)."""
+        start = self.start or {}
+        batch = ((start.get("config") or {}).get("data") or {}).get("batch_size")
+        ranks = start.get("world_size")
+        return batch * ranks if isinstance(batch, int) and isinstance(ranks, int) else None
+
+    def samples_at(self, steps: list[int]) -> list[float]:
+        """Samples seen after each of ``steps``: each step counts its own world size (a run
+        resumed on another number of ranks changes it), from the train records."""
+        batch = ((self.start or {}).get("config") or {}).get("data", {}).get("batch_size") or 0
+        known, seen, previous = [(0, 0.0)], 0.0, 0
+        for r in self.train:
+            step = int(r["step"])
+            seen += (step - previous) * batch * int(r.get("world_size") or 1)
+            known.append((step, seen))
+            previous = step
+        return [_interpolate(known, s) for s in steps]
+
+
+def _interpolate(points: list[tuple[int, float]], x: int) -> float:
+    """``points`` (sorted by x) read at ``x``, linearly; past the last point, its slope."""
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / max(x1 - x0, 1)
+    if len(points) < 2:
+        return 0.0
+    (x0, y0), (x1, y1) = points[-2], points[-1]
+    return y1 + (y1 - y0) / max(x1 - x0, 1) * (x - x1)
 
 
 def _by_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -140,22 +176,54 @@ def _pyplot():
     return plt
 
 
+def _by_samples(runs: list[Run]) -> bool:
+    """Whether steps would mislead: the runs' global batches differ, or one changed its
+    number of ranks when it resumed."""
+    batches = {r.global_batch() for r in runs}
+    ranks_changed = any(len({t.get("world_size") for t in r.train} - {None}) > 1 for r in runs)
+    return len(batches) > 1 or ranks_changed
+
+
+def _loss_cap(values: list[float]) -> Optional[float]:
+    """The top of the loss axis when a few values (a spike at the start) would otherwise
+    flatten the rest: above the 95th percentile by half the range below it. None: no cap."""
+    import numpy as np
+
+    if len(values) < 5:
+        return None
+    low, high = float(np.min(values)), float(np.percentile(values, 95))
+    cap = high + 0.5 * max(high - low, 1e-3)
+    return cap if max(values) > cap else None
+
+
 def write_plots(runs: list[Run], out_dir: Path) -> list[Path]:
     """Draw loss, AUC and samples/s PNGs for ``runs`` into ``out_dir``; return their paths."""
     plt = _pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     written = []
+    by_samples = _by_samples(runs)
+
+    def xs(run: Run, steps: list[int]) -> list[float]:
+        return run.samples_at(steps) if by_samples else list(steps)
+
+    x_end = max(xs(r, [_last_step(r)])[0] for r in runs) or 1
 
     def figure(title: str, ylabel: str):
         fig, ax = plt.subplots(figsize=(9, 5), dpi=110)
-        ax.set_title(title)
-        ax.set_xlabel("step")
+        ax.set_title(title + (" (runs of different global batch sizes: against samples seen)" if by_samples else ""))
+        ax.set_xlabel("samples seen" if by_samples else "step")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
         return fig, ax
 
     def save(fig, ax, name: str) -> None:
+        ax.set_xlim(0, x_end * 1.03)  # the whole run, even for a single evaluation
+        for i, run in enumerate(runs):  # resumes from a checkpoint: where the run restarted
+            for j, resume in enumerate(run.resumes):
+                x = xs(run, [int(resume.get("step") or 0)])[0]
+                ax.axvline(x, color=colors[i % len(colors)], linestyle=":", linewidth=1.2,
+                           label=f"{run.name} resumed" if j == 0 else None)  # fmt: skip
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="best", fontsize="small")
         fig.tight_layout()
@@ -166,31 +234,53 @@ def write_plots(runs: list[Run], out_dir: Path) -> list[Path]:
 
     # Loss: training loss (solid) and held-out log loss (dashed, dots) per run.
     fig, ax = figure("Loss", "log loss")
+    curves = []
     for i, run in enumerate(runs):
         c = colors[i % len(colors)]
         steps, values = run.series(run.train, "loss")
         if steps:
-            ax.plot(steps, values, color=c, linewidth=1.2, label=f"{run.name} train")
+            curves.append((xs(run, steps), values, dict(color=c, linewidth=1.2, label=f"{run.name} train")))
         steps, values = run.series(run.evals.get("val", []), "logloss")
         if steps:
-            ax.plot(steps, values, color=c, linestyle="--", marker="o", markersize=3,
-                    label=f"{run.name} val")
+            curves.append((xs(run, steps), values, dict(color=c, linestyle="--", marker="o", markersize=3,
+                                                        label=f"{run.name} val")))  # fmt: skip
+    cap = _loss_cap([v for _, values, _ in curves for v in values])
+    for x, values, style in curves:
+        ax.plot(x, [min(v, cap) if cap else v for v in values], **style)
+        if cap:
+            above = [(xx, v) for xx, v in zip(x, values) if v > cap]
+            if above:
+                ax.scatter([xx for xx, _ in above], [cap] * len(above), marker="^", s=50, color=style["color"], zorder=3,
+                           label=f"{style['label'].rsplit(' ', 1)[0]} above the axis (max {max(v for _, v in above):.3g})")  # fmt: skip
+    if cap:
+        bottom = min(v for _, values, _ in curves for v in values)
+        ax.set_ylim(bottom - 0.05 * (cap - bottom), cap + 0.03 * (cap - bottom))
     save(fig, ax, "loss.png")
 
     # AUC: validation curve, test AUC at its step, Bayes-optimal AUC of planted data.
     fig, ax = figure("AUC", "ROC AUC")
+    shown = []
     for i, run in enumerate(runs):
         c = colors[i % len(colors)]
-        steps, values = run.series(run.evals.get("val", []), "auc")
-        if steps:
-            ax.plot(steps, values, color=c, marker="o", markersize=3, label=f"{run.name} val")
-        steps, values = run.series(run.evals.get("test", []), "auc")
-        if steps:
-            ax.scatter(steps, values, color=c, marker="*", s=120, zorder=3, label=f"{run.name} test")
+        for split, style in (("val", dict(marker="o", markersize=4)), ("test", dict(marker="*", markersize=12, linestyle="none"))):
+            steps, values = run.series(run.evals.get(split, []), "auc")
+            if steps:
+                x = xs(run, steps)
+                ax.plot(x, values, color=c, label=f"{run.name} {split}", zorder=3, **style)
+                shown += values
+                if len(values) <= 3:  # a few points: say their values (val above, test below)
+                    for xx, v in zip(x, values):
+                        ax.annotate(f"{v:.4f}", (xx, v), textcoords="offset points", fontsize="small",
+                                    xytext=(6, 6 if split == "val" else -14))  # fmt: skip
         bayes = (run.start or {}).get("bayes_auc")
         if isinstance(bayes, (int, float)):
-            ax.axhline(bayes, color=c, linestyle=":", linewidth=1, label=f"{run.name} Bayes-optimal")
-    if not ax.get_legend_handles_labels()[0]:
+            ax.axhline(bayes, color=c, linestyle=":", linewidth=1, label=f"{run.name} Bayes-optimal {bayes:.4f}")
+            shown.append(bayes)
+    if shown:
+        low, high = min(shown), max(shown)
+        pad = max(0.02 - (high - low), 0) / 2 + 0.1 * (high - low)  # at least 0.02 tall
+        ax.set_ylim(low - pad - 0.005, high + pad + 0.005)
+    else:
         ax.text(0.5, 0.5, "no evaluation records yet", ha="center", va="center", transform=ax.transAxes)
     save(fig, ax, "auc.png")
 
@@ -198,10 +288,14 @@ def write_plots(runs: list[Run], out_dir: Path) -> list[Path]:
     for i, run in enumerate(runs):
         steps, values = run.series(run.train, "samples_per_s")
         if steps:
-            ax.plot(steps, values, color=colors[i % len(colors)], linewidth=1.2, label=run.name)
+            ax.plot(xs(run, steps), values, color=colors[i % len(colors)], linewidth=1.2, label=run.name)
     ax.set_ylim(bottom=0)
     save(fig, ax, "samples_per_s.png")
     return written
+
+
+def _last_step(run: Run) -> int:
+    return max([int(r["step"]) for r in run.train] + [int(r["step"]) for rs in run.evals.values() for r in rs])
 
 
 # ---------------------------------------------------------------------------------------
@@ -230,7 +324,7 @@ def summarize(run: Run) -> dict[str, Any]:
     wall = None
     if isinstance(start.get("time"), (int, float)) and isinstance(end.get("time"), (int, float)):
         wall = end["time"] - start["time"]
-    last_step = max([int(r["step"]) for r in run.train] + [int(r["step"]) for rs in run.evals.values() for r in rs])
+    last_step = _last_step(run)
     val = run.evals.get("val", [])
     test = run.evals.get("test", [])
     _, val_aucs = run.series(val, "auc")
@@ -249,6 +343,7 @@ def summarize(run: Run) -> dict[str, Any]:
         "test_auc": _last(test, "auc"),
         "test_logloss": _last(test, "logloss"),
         "bayes_auc": start.get("bayes_auc"),
+        "bayes_auc_test": _last(test, "bayes_auc") or start.get("bayes_auc"),  # the test split's own, when recorded
         "wall_s": wall,
         "checkpoints": len(run.checkpoints),
         "checkpoint_save_s": statistics.mean(c["seconds"] for c in run.checkpoints
@@ -292,8 +387,8 @@ def format_summary(runs: list[Run], plots: list[Path]) -> str:
             notes.append(f"best val AUC {_fmt(r['val_auc_best'])}")
         if r["test_logloss"] is not None:
             notes.append(f"test log loss {_fmt(r['test_logloss'])}")
-        if r["bayes_auc"] is not None and r["test_auc"] is not None:
-            notes.append(f"{r['bayes_auc'] - r['test_auc']:.4f} below Bayes")
+        if r["bayes_auc_test"] is not None and r["test_auc"] is not None:
+            notes.append(f"{r['bayes_auc_test'] - r['test_auc']:.4f} below Bayes")
         if r["data_wait_share"] is not None:
             notes.append(f"{r['data_wait_share']:.0%} of step time waiting for data")
         if r["checkpoints"]:

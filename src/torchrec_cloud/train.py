@@ -13,13 +13,17 @@ N nodes (run on every node; the rendezvous host is node 0)::
     torchrun --nnodes=N --nproc_per_node=8 --rdzv_backend=c10d \\
         --rdzv_endpoint=HOST:29500 -m torchrec_cloud train --preset criteo-1tb ...
 
-Rank 0 prints the sharding plan, shows a progress bar and writes ``metrics.jsonl`` and
-TensorBoard event files to ``--output_dir``.
+Rank 0 prints the sharding plan and a line per ``--log_every`` steps (a progress bar
+instead, in a terminal), and writes ``metrics.jsonl`` and TensorBoard event files to the
+run folder: ``--output_dir``, or ``DIR-2``, ... when ``DIR`` holds another run
+(:mod:`torchrec_cloud.metrics.run_folder`). ``--print_config`` prints the resolved config.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import signal
 import sys
 import time
@@ -30,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from torchrec_cloud import comm, metrics
+from torchrec_cloud.metrics import run_folder
 from torchrec_cloud.build import Trainer, build
 from torchrec_cloud.checkpoint import Checkpointer, Position
 from torchrec_cloud.config import JobConfig, add_config_flags, config_from_args
@@ -47,8 +52,11 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
     # -- set up ------------------------------------------------------------------------
     env = init_distributed(cfg.train.backend, cfg.train.num_threads, cfg.train.pg_timeout_s)
     torch.manual_seed(cfg.data.seed + env.rank)
+    if env.is_main:  # only rank 0 writes there
+        cfg = _in_run_folder(cfg)
     source = source or build_data_source(cfg, env.rank, env.world_size)
-    sink = build_sinks(cfg, env)
+    bar_shown = env.is_main and cfg.output.progress and sys.stdout.isatty() and sys.stderr.isatty()
+    sink = build_sinks(cfg, env, train_lines=not bar_shown)
     # Storage access and the checkpoint to resume are checked before anything is built.
     checkpoints = Checkpointer(cfg, env, sink)
     preemption = Preemption(checkpoints.enabled, cfg.train.stop_stall_s)  # SIGTERM: finish the step, save, stop
@@ -58,10 +66,13 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
     trainer = build(cfg, env)  # the model, the speed-ups layer, sharding, optimizers, pipeline
     dmp, optimizer, scheduler, pipeline = trainer.dmp, trainer.optimizer, trainer.scheduler, trainer.pipeline
     if env.is_main:
-        print(f"sharding plan ({env.world_size} rank(s), {env.device.type}, collectives: {trainer.collectives}):\n"
-              f"{plan_summary(trainer.plan)}")  # fmt: skip
+        where = f"{env.world_size} rank{'s' if env.world_size > 1 else ''}, {env.device.type}, collectives: {trainer.collectives}"
+        print(plan_summary(trainer.plan, f"sharding plan ({where})"), flush=True)
 
-    sink.log(_start_record(cfg, env, trainer, source))
+    facts = source.facts() if env.is_main else {}
+    batches_per_epoch = source.num_train_batches()
+    total_steps = cfg.train.num_epochs * batches_per_epoch
+    sink.log(_start_record(cfg, env, trainer, facts, total_steps))
 
     # -- resume ------------------------------------------------------------------------
     position = Position()
@@ -69,11 +80,7 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
         position = _resume(checkpoints, dmp, optimizer, scheduler, env, sink)
 
     # -- loop --------------------------------------------------------------------------
-    batches_per_epoch = source.num_train_batches()
-    total_steps = cfg.train.num_epochs * batches_per_epoch
-    bar = tqdm(
-        total=total_steps, initial=position.step, disable=not (env.is_main and cfg.output.progress), unit="step"
-    )
+    bar = tqdm(total=total_steps, initial=position.step, disable=not bar_shown, unit="step")
     start_step = step = position.step
     step_context = precision_context(cfg.train.precision, env.device)
     workers = _data_workers(cfg, env)
@@ -111,7 +118,7 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
         if last == batches_per_epoch and window.steps:
             sink.log(window.record(step, epoch, env, scheduler.current_lr()))
         if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-            last_val = _evaluate(pipeline, source, "val", step, epoch, env, sink, step_context)
+            last_val = _evaluate(pipeline, source, "val", step, epoch, env, sink, step_context, facts)
         if checkpoints.due(step):
             checkpoints.save(position, dmp, optimizer, scheduler)
         checkpoints.poll()
@@ -123,8 +130,8 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
     test: dict[str, float] = {}
     if not preemption.stop:
         if not (cfg.train.eval_every and step % cfg.train.eval_every == 0 and last_val):
-            last_val = _evaluate(pipeline, source, "val", step, cfg.train.num_epochs - 1, env, sink, step_context)
-        test = _evaluate(pipeline, source, "test", step, cfg.train.num_epochs - 1, env, sink, step_context)
+            last_val = _evaluate(pipeline, source, "val", step, cfg.train.num_epochs - 1, env, sink, step_context, facts)
+        test = _evaluate(pipeline, source, "test", step, cfg.train.num_epochs - 1, env, sink, step_context, facts)
 
     # -- save --------------------------------------------------------------------------
     # A run stopped before its first step has nothing new to save (and little grace time).
@@ -147,12 +154,22 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
 # -- helpers beside the loop ----------------------------------------------------------
 
 
-def _start_record(cfg: JobConfig, env: Env, trainer: Trainer, source: DataSource) -> dict[str, Any]:
+def _in_run_folder(cfg: JobConfig) -> JobConfig:
+    """``cfg`` writing to its run folder: ``--output_dir``, unless that holds another run."""
+    folder, note = run_folder.choose(cfg.output.output_dir, cfg.to_dict())
+    if note:
+        print(note, flush=True)
+    return dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, output_dir=str(folder)))
+
+
+def _start_record(cfg: JobConfig, env: Env, trainer: Trainer, facts: dict[str, Any], total_steps: int) -> dict[str, Any]:
     """The run's first record: where it runs, how the step communicates, what the speed-ups
-    layer applied, the whole config; on rank 0, what the data source knows (``bayes_auc``)."""
+    layer applied, the steps it will train to, the whole config; on rank 0, what the data
+    source knows (``bayes_auc``)."""
     record: dict[str, Any] = {
         "event": "start",
         "step": 0,
+        "total_steps": total_steps,
         "world_size": env.world_size,
         "backend": env.backend,
         "collectives": trainer.collectives,
@@ -160,9 +177,8 @@ def _start_record(cfg: JobConfig, env: Env, trainer: Trainer, source: DataSource
         "device": env.device.type,
         "threads_per_rank": torch.get_num_threads(),
         "config": cfg.to_dict(),
+        **facts,
     }
-    if env.is_main:
-        record.update(source.facts())
     return record
 
 
@@ -186,14 +202,14 @@ def _data_workers(cfg: JobConfig, env: Env) -> int:
     return min(16, max(1, torch.get_num_threads() - 2)) if env.device.type == "cuda" else 0
 
 
-def build_sinks(cfg: JobConfig, env: Env) -> MetricsSink:
-    """Rank 0 writes metrics.jsonl, TensorBoard events and console lines; with
-    --prometheus_port every rank also serves its metrics (torchrec_cloud.metrics)."""
+def build_sinks(cfg: JobConfig, env: Env, train_lines: bool = True) -> MetricsSink:
+    """Rank 0 writes metrics.jsonl, TensorBoard events and console lines (a line per train
+    record unless ``train_lines`` is off: a progress bar shows them); with --prometheus_port
+    every rank also serves its metrics (torchrec_cloud.metrics)."""
     from tqdm import tqdm
 
-    return metrics.build_sinks(
-        cfg, env.rank, env.local_rank, env.world_size, console_write=tqdm.write
-    )
+    write = tqdm.write if not train_lines else lambda line: print(line, flush=True)
+    return metrics.build_sinks(cfg, env.rank, env.local_rank, env.world_size, write, train_lines)
 
 
 def segments(
@@ -304,12 +320,14 @@ class _Window:
         return record
 
 
-def _evaluate(pipeline, source, split, step, epoch, env, sink, context) -> dict[str, float]:
+def _evaluate(pipeline, source, split, step, epoch, env, sink, context, facts) -> dict[str, float]:
     model = pipeline.detach()  # the pipeline re-attaches on its next progress()
     with context:  # the training step's precision
         metrics = evaluate(model, source, split, env.device)
+    bayes = (facts.get("bayes_auc_by_split") or {}).get(split)
     sink.log(
         {
+            **({"bayes_auc": bayes} if bayes is not None else {}),
             "event": "eval",
             "step": step,
             "epoch": epoch,
@@ -357,12 +375,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_flags(parser)
+    parser.add_argument("--print_config", action="store_true",
+                        help="print the resolved config (the preset with the flags applied) as JSON and exit")
     parser.set_defaults(func=_main)
     return parser
 
 
 def _main(ns: argparse.Namespace) -> int:
     cfg = config_from_args(ns)
+    if ns.print_config:
+        print(json.dumps(cfg.to_dict(), indent=2))
+        return EXIT_OK
     quiet_library_warnings()
     try:
         result = run(cfg)

@@ -3,6 +3,8 @@ folder or ``s3://``, ``gs://``, ``az://`` URL), and what one checkpoint holds::
 
     torchrec-cloud checkpoint ls s3://bucket/runs/q
     torchrec-cloud checkpoint inspect s3://bucket/runs/q/step_00000200 -v
+    torchrec-cloud checkpoint ls runs/q            # a run folder: the checkpoints its run wrote
+    torchrec-cloud checkpoint inspect runs/q/ckpt  # a folder of checkpoints: its newest complete one
 """
 
 from __future__ import annotations
@@ -10,11 +12,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from torchrec_cloud import storage
 from torchrec_cloud.checkpoint.dcp import read_metadata
-from torchrec_cloud.checkpoint.store import CheckpointError, CheckpointInfo, inspect_checkpoint, list_checkpoints
+from torchrec_cloud.checkpoint.store import (
+    COMMIT_FILE,
+    CheckpointError,
+    CheckpointInfo,
+    inspect_checkpoint,
+    list_checkpoints,
+)
+from torchrec_cloud.metrics.run_folder import METRICS_FILE, last_run
 
 
 def _human(n: Optional[int]) -> str:
@@ -28,7 +38,36 @@ def _human(n: Optional[int]) -> str:
     return str(n)
 
 
+def checkpoints_of(path: str) -> str:
+    """The folder of checkpoints PATH means: PATH itself when it holds ``step_N`` folders;
+    for a run folder (a ``--output_dir``, with its metrics.jsonl), the ``--checkpoint_path``
+    its run wrote to, or its ``ckpt/`` or ``checkpoints/`` folder; else PATH."""
+    candidates = [path]
+    if storage.scheme(path) is None and Path(path, METRICS_FILE).is_file():
+        start = (last_run(Path(path)) or ({}, None))[0]
+        written = ((start.get("config") or {}).get("checkpoint") or {}).get("checkpoint_path")
+        candidates += [written] if written else []
+        candidates += [storage.join(path, "ckpt"), storage.join(path, "checkpoints")]
+    return next((c for c in candidates if list_checkpoints(c)), path)
+
+
+def _checkpoint_at(path: str) -> str:
+    """The checkpoint PATH means: PATH itself when it is one, else the newest complete one
+    (or, with none complete, the newest) in the folder of checkpoints it means."""
+    if storage.exists(storage.join(path, COMMIT_FILE)) or storage.exists(storage.join(path, ".metadata")):
+        return path
+    root = checkpoints_of(path)
+    infos = list_checkpoints(root)
+    if not infos:
+        return path
+    chosen = next((i for i in reversed(infos) if i.complete), infos[-1])
+    which = "newest complete" if chosen.complete else "newest (none is complete)"
+    print(f"{path} holds checkpoints: inspecting the {which} one, {chosen.path}", file=sys.stderr)
+    return chosen.path
+
+
 def _ls(ns: argparse.Namespace) -> int:
+    ns.path = checkpoints_of(ns.path)
     infos = list_checkpoints(ns.path)
     if ns.json:
         print(json.dumps([_info_dict(i) for i in infos]))
@@ -66,6 +105,7 @@ def _info_dict(i: CheckpointInfo) -> dict[str, Any]:
 
 
 def _inspect(ns: argparse.Namespace) -> int:
+    ns.path = _checkpoint_at(ns.path)
     info = inspect_checkpoint(ns.path)
     out = _info_dict(info)
     if not info.complete and info.commit is None and not storage.exists(storage.join(ns.path, ".metadata")):
@@ -107,7 +147,7 @@ def _inspect(ns: argparse.Namespace) -> int:
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "checkpoint",
-        help="list and inspect checkpoints (local folder or s3://, gs://, az:// URL)",
+        help="list and inspect checkpoints (a run folder, a local folder or s3://, gs://, az:// URL)",
         description="List the checkpoints under a --checkpoint_path, or inspect one.",
     )
     sub = parser.add_subparsers(dest="action", metavar="ACTION", parser_class=type(parser))

@@ -7,8 +7,9 @@ own slice of global batches::
 - ``random``: ids uniform over each table, labels fair coin flips (the seeds' data; a model
   cannot beat AUC 0.5 on it).
 - ``planted``: ids drawn from a power law, labels drawn from a fixed random *teacher*
-  (a logistic model over the same dense and sparse features). Its Bayes-optimal AUC on the
-  held-out split is known and reported, so learning is measurable.
+  (a logistic model over the dense features and the most frequent ids of each table,
+  :class:`Teacher`). Its Bayes-optimal AUC on each held-out split is computed exactly
+  and reported with every evaluation, so learning is measurable.
 
 Held-out splits (``val``, ``test``) are a fixed set of global batches, independent of the
 world size: rank r evaluates global batches r, r+W, ...; ranks that run out evaluate a
@@ -33,29 +34,52 @@ def _split_id(split: str) -> int:
     return SPLITS.index(split)
 
 
+# Ids drawn as floor(u ** ID_POWER * rows), u uniform: a power law, so a few ids of each
+# table are most of its occurrences, as in click logs. P(id < k) = (k / rows) ** (1 / ID_POWER).
+ID_POWER = 3
+
+# The planted signal sits in the HEAD_IDS most frequent ids of each table; the rest carry
+# none. A short run sees each of those ids often enough to learn its row, so the
+# Bayes-optimal AUC is reachable (docs/quickstart-tuning.md); the other ids' rows, seen a
+# few times each, must be learned to stay near zero.
+HEAD_IDS = 300
+
+
 class Teacher:
     """The fixed random logistic model that labels ``planted`` data.
 
-    logit = bias + dense . v + sum_f s_f * w_f[id_f], with w_f[id] ~ N(0, 1) derived by
-    hashing (table, id) and feature scales s_f decaying so some features matter more.
+    logit = bias + 2 (dense - 0.5) . v + sum_f s_f * w_f[id_f], with w_f[id] ~ N(0, 1) for
+    the ``head`` most frequent ids of table f (derived by hashing (table, id)), 0 for the
+    others. The feature scales s_f decay so some features matter more; each is divided by
+    sqrt(P(id < head)), so the sparse part's variance is the same for any table size (and a
+    table of at most ``head`` rows has the teacher of all ids). Its own probabilities give
+    the exact Bayes-optimal AUC of the data (:meth:`SyntheticSource.bayes_auc`).
     """
 
-    def __init__(self, num_dense: int, num_sparse: int, seed: int, strength: float = 1.0):
+    def __init__(self, num_dense: int, table_sizes: list[int], seed: int, strength: float = 1.0,
+                 head: int = HEAD_IDS):  # fmt: skip
         g = torch.Generator().manual_seed(10_007 + seed)
+        num_sparse = len(table_sizes)
         self.dense_weight = torch.randn(num_dense, generator=g) * 0.5 * strength
         decay = torch.tensor([0.85**i for i in range(num_sparse)])
-        self.sparse_scale = decay / decay.norm() * 1.6 * strength
+        heads = torch.tensor([min(head, n) for n in table_sizes])
+        share = (heads / torch.tensor(table_sizes, dtype=torch.float64)) ** (1 / ID_POWER)
+        scale = decay / decay.norm() * 1.6 * strength / share.float().sqrt()
         self.bias = -1.0  # about a 30% click rate, like Criteo's ~25%
-        self.seed = seed
-        self.num_sparse = num_sparse
+        # The head ids' weights, one row per table, zero past each table's head.
+        ids = torch.arange(int(heads.max()), dtype=torch.int64)[None, :]
+        tables = torch.arange(num_sparse, dtype=torch.int64)[:, None]
+        w = hashed_normal(ids * 1024 + tables, salt=seed + 1)  # one key space per (table, id)
+        self.head_weights = torch.where(ids < heads[:, None], w * scale[:, None], 0.0)  # [F, head]
 
     def logits(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``dense`` [B, D] in [0, 1); ``ids`` [B, F] int64 (one id per feature)."""
-        tables = torch.arange(self.num_sparse, dtype=torch.int64)
-        keys = ids * 1024 + tables  # one key space per (table, id)
-        w = hashed_normal(keys, salt=self.seed + 1)
+        head = self.head_weights.shape[1]
+        offsets = torch.arange(ids.shape[1], dtype=torch.int64) * head
+        w = self.head_weights.view(-1)[ids.clamp(max=head - 1) + offsets]
+        w = torch.where(ids < head, w, 0.0)
         centred = dense - 0.5
-        return self.bias + centred @ self.dense_weight * 2.0 + w @ self.sparse_scale
+        return self.bias + centred @ self.dense_weight * 2.0 + w.sum(dim=1)
 
 
 class SyntheticSource(DataSource):
@@ -71,7 +95,7 @@ class SyntheticSource(DataSource):
         self.table_sizes = torch.tensor(cfg.model.table_sizes, dtype=torch.int64)
         self.num_dense = cfg.model.num_dense_features
         self.keys = feature_names(cfg.model.num_sparse_features)
-        self.teacher = Teacher(self.num_dense, len(self.keys), self.seed)
+        self.teacher = Teacher(self.num_dense, cfg.model.table_sizes, self.seed)
         self.multi_hot_sizes = cfg.data.multi_hot_sizes
         self.multi_hot_pooling = cfg.data.multi_hot_pooling
         if self.multi_hot_sizes is not None:
@@ -88,16 +112,20 @@ class SyntheticSource(DataSource):
         u = torch.rand(b, f, generator=g, dtype=torch.float64)
         if self.kind == "planted":
             # Power law over ids: popular ids carry most of the signal, as in click logs.
-            ids = (u**3 * self.table_sizes).long()
+            ids = (u**ID_POWER * self.table_sizes).long()
         else:
             ids = (u * self.table_sizes).long()
         return dense, torch.minimum(ids, self.table_sizes - 1), g
 
+    def _planted_labels(self, dense: torch.Tensor, ids: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """The teacher's click probabilities and the labels drawn from them."""
+        p = torch.sigmoid(self.teacher.logits(dense, ids))
+        return p, torch.bernoulli(p, generator=g)
+
     def make_batch(self, split: str, index: int) -> Batch:
         dense, ids, g = self._features(split, index)
         if self.kind == "planted":
-            p = torch.sigmoid(self.teacher.logits(dense, ids))
-            labels = torch.bernoulli(p, generator=g)
+            _, labels = self._planted_labels(dense, ids, g)
         else:
             labels = torch.randint(0, 2, (self.batch_size,), generator=g).float()
         if self.multi_hot_sizes is not None:
@@ -109,10 +137,6 @@ class SyntheticSource(DataSource):
         else:
             sparse = _one_hot_kjt(self.keys, ids)
         return Batch(dense_features=dense, sparse_features=sparse, labels=labels)
-
-    def teacher_probabilities(self, split: str, index: int) -> torch.Tensor:
-        dense, ids, _ = self._features(split, index)
-        return torch.sigmoid(self.teacher.logits(dense, ids))
 
     def num_train_batches(self) -> int:
         return self.num_batches
@@ -166,18 +190,24 @@ class SyntheticSource(DataSource):
                 yield self.make_batch(split, 0), 0
 
     def bayes_auc(self, split: str = "val") -> float:
-        """AUC of the teacher's own probabilities on the whole held-out split."""
+        """AUC of the teacher's own probabilities on the whole held-out split: the best any
+        model can reach there."""
         from torchmetrics.functional.classification import binary_auroc
 
         probs, labels = [], []
         for index in range(self.num_eval_batches):
-            probs.append(self.teacher_probabilities(split, index))
-            labels.append(self.make_batch(split, index).labels)
+            p, y = self._planted_labels(*self._features(split, index))  # as make_batch draws them
+            probs.append(p)
+            labels.append(y)
         return float(binary_auroc(torch.cat(probs), torch.cat(labels).long()))
 
     def facts(self) -> dict[str, Any]:
-        """Planted data: the best AUC a model can reach on the validation split."""
-        return {"bayes_auc": self.bayes_auc("val")} if self.kind == "planted" else {}
+        """Planted data: the best AUC a model can reach on each held-out split
+        (``bayes_auc``: the validation split's)."""
+        if self.kind != "planted":
+            return {}
+        by_split = {split: self.bayes_auc(split) for split in ("val", "test")}
+        return {"bayes_auc": by_split["val"], "bayes_auc_by_split": by_split}
 
 
 class _TrainBatches(torch.utils.data.Dataset):

@@ -14,7 +14,6 @@ Versions come from ``requirements/stack.txt`` of the checkout (the one source of
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 import yaml
 
 from torchrec_cloud import __version__
+from torchrec_cloud.config import FlagParser
 from torchrec_cloud.deploy.manifests import (
     SERVICE_ACCOUNT,
     build_context,
@@ -181,7 +181,7 @@ def check(root: Path = REPO_ROOT) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m torchrec_cloud.deploy.layout", description=__doc__.split("\n")[0])
+    parser = FlagParser(prog="python -m torchrec_cloud.deploy.layout", description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="only list files that differ; exit 1 if any")
     parser.add_argument("--root", type=Path, default=REPO_ROOT, help="repository root")
     ns = parser.parse_args(argv)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, Sequence
 
 from torchrec_cloud import __version__
-from torchrec_cloud.config import PRESETS, ConfigError, add_config_flags, config_from_args, flag_kwargs
+from torchrec_cloud.config import PRESETS, ConfigError, FlagParser, add_config_flags, config_from_args, flag_kwargs
 
 LAUNCHERS = ("job", "pytorchjob", "trainjob")
 DEFAULT_IMAGE = f"torchrec-cloud:{__version__}"
@@ -45,7 +45,7 @@ class MissingExtraError(ImportError):
         super().__init__(f"{module} is not installed: pip install 'torchrec-cloud[{extra}]'")
 
 
-class _TrainFlagParser(argparse.ArgumentParser):
+class _TrainFlagParser(FlagParser):  # no abbreviations, `_` or `-`, as `train` itself
     def error(self, message: str) -> None:  # type: ignore[override]
         raise TrainFlagsError(message)
 

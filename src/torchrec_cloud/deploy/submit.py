@@ -42,7 +42,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--target", choices=["kubernetes", "azureml", "vertex"], default="kubernetes")
-    parser.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
+    parser.add_argument("--dry-run", dest="dry_run", action="store_true",
                         help="print what would be submitted; submit nothing")
     parser.add_argument("--follow", action="store_true", help="kubernetes: wait for the pods and stream logs")
     parser.add_argument("--kubectl", default="kubectl", help="kubectl binary (kubernetes target)")

@@ -14,14 +14,13 @@ torchx is an optional extra (``pip install 'torchrec-cloud[torchx]'``), imported
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import re
 import shlex
 import sys
 from typing import Any, Callable
 
-from torchrec_cloud.config import ConfigError
+from torchrec_cloud.config import ConfigError, FlagParser
 from torchrec_cloud.deploy.manifests import build_context
 from torchrec_cloud.deploy.spec import DeploySpec, MissingExtraError
 
@@ -100,7 +99,7 @@ def build_app(spec: DeploySpec) -> Any:
 def main(component: Callable[..., Any], argv: list[str]) -> int:
     """``python <cloud>/cloud_component.py [--nodes N ...] [--dry-run] [-- training flags]``."""
     params = inspect.signature(component).parameters
-    parser = argparse.ArgumentParser(description=(component.__doc__ or "").split("\n")[0])
+    parser = FlagParser(description=(component.__doc__ or "").split("\n")[0])
     for name, p in params.items():
         if p.kind is inspect.Parameter.VAR_POSITIONAL:
             continue

@@ -40,12 +40,15 @@ def build_sinks(
     local_rank: int,
     world_size: int,
     console_write: Callable[[str], None] = print,
+    train_lines: bool = True,
 ) -> MetricsSink:
     """The sinks one rank logs to.
 
-    Rank 0: ``metrics.jsonl`` + TensorBoard (unless ``--no-tensorboard``) + console lines
-    (``console_write``, e.g. ``tqdm.write`` beside a progress bar). Every rank, with
-    ``--prometheus_port``: a :class:`PrometheusSink` on port + ``local_rank``.
+    Rank 0: ``metrics.jsonl`` + TensorBoard (unless ``--no-tensorboard``) in ``--output_dir``
+    (the run folder: :mod:`.run_folder`), and console lines (``console_write``, e.g.
+    ``tqdm.write`` beside a progress bar; a line per train record unless ``train_lines`` is
+    off, when the bar shows them). Every rank, with ``--prometheus_port``: a
+    :class:`PrometheusSink` on port + ``local_rank``.
     """
     out = cfg.output
     sinks: list[MetricsSink] = []
@@ -53,7 +56,7 @@ def build_sinks(
         sinks.append(JsonlSink(Path(out.output_dir) / "metrics.jsonl"))
         if out.tensorboard:
             sinks.append(TensorBoardSink(out.output_dir))
-        sinks.append(ConsoleSink(console_write))
+        sinks.append(ConsoleSink(console_write, train_lines, out.output_dir, out.tensorboard))
     if out.prometheus_port is not None:
         port = out.prometheus_port + local_rank
         if port > 65535:
