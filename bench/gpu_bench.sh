@@ -9,7 +9,9 @@
 #   bash .gpu/bench/gpu_bench.sh info quickstart   # phases run in order; logs go to $OUT
 #
 # Phases: info (versions, nvidia-smi, NVML test), quickstart, criteo, profile_quickstart,
-# profile_criteo, ab (AB_VARIANTS="base src": .gpu/src_base against .gpu/src, same machine).
+# profile_criteo, ab (AB_VARIANTS="base src": .gpu/src_base against .gpu/src, same machine),
+# uvm (criteo-1tb with its full 40M-row tables, UVM-cached where GPU memory cannot hold them,
+# against the capped tables all in GPU memory, and the planner's estimate: docs/plan.md).
 set -u
 OUT=${OUT:-/tmp/gpu_bench_out}
 mkdir -p "$OUT"
@@ -107,6 +109,30 @@ profile_criteo() {
     --profile "$OUT/prof_criteo.txt" -- --preset criteo-1tb --batch_size 65536 \
     --num_embeddings_per_feature "$CRITEO_ROWS" "${COMMON[@]}"
   gzip -f "$OUT"/*.trace.json 2>/dev/null
+}
+
+uvm() {
+  # The planner's view first (this GPU's memory): which tables it caches, its step estimate.
+  local gib
+  gib=$(python3 -c 'import torch; print(torch.cuda.get_device_properties(0).total_memory / 2**30)')
+  for bs in 65536 131072; do
+    python3 -m torchrec_cloud plan --preset criteo-1tb --batch_size $bs --gpus_per_node 1 --gpu_memory "$gib" \
+      --json >"$OUT/plan_b$bs.log" 2>&1
+    tail -1 "$OUT/plan_b$bs.log" | python3 -c '
+import json, sys
+r = json.load(sys.stdin)
+print("plan b%s fits=%s kernels=%s estimated_step_ms=%s" % (sys.argv[1], r["fits"], r["kernels"], r["estimated_step_ms"]))
+' "$bs" | tee -a "$OUT/results.txt"
+  done
+  for p in tf32 bf16; do
+    for bs in 65536 131072; do
+      bench "criteo-1tb(full, auto) $p b$bs" --precision $p -- --preset criteo-1tb --batch_size $bs "${COMMON[@]}"
+      bench "criteo-1tb(full, auto, prefetch) $p b$bs" --precision $p -- --preset criteo-1tb --batch_size $bs \
+        --prefetch_pipeline "${COMMON[@]}"
+      bench "criteo-1tb(cap $CAP, fused) $p b$bs" --precision $p -- --preset criteo-1tb --batch_size $bs \
+        --num_embeddings_per_feature "$CRITEO_ROWS" --embedding_kernel fused "${COMMON[@]}"
+    done
+  done
 }
 
 # A/B of source variants (.gpu/src_<name>, beside .gpu/src) on the same machine.

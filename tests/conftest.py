@@ -69,3 +69,23 @@ def cpu_kernel_path(request):
     assert (native.library() is not None) == (request.param == "C kernel")
     yield request.param
     native.set_enabled(True)
+
+
+def pytest_configure(config):
+    """Plans that render/submit make (torchrec_cloud.plan) go to a folder of this session's,
+    shared by its subprocesses: every session plans afresh, and nothing lands in ~/.cache."""
+    import os
+    import tempfile
+
+    if "TORCHREC_CLOUD_PLAN_CACHE" not in os.environ:
+        folder = tempfile.mkdtemp(prefix="torchrec-cloud-plans-")
+        os.environ["TORCHREC_CLOUD_PLAN_CACHE"] = folder
+        config._plan_cache = folder
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    folder = getattr(config, "_plan_cache", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -387,12 +387,50 @@ def test_cpu_nodes_request_no_gpu():
         (dict(grace_period_s=5), "grace_period_s"),
         (dict(train_args=["--batch_size", "0"]), "batch_size"),
         (dict(train_args=["--embedding_dim", "32", "--dense_arch_layer_sizes", "512,64"]), "dense_arch_layer_sizes"),
+        (dict(gpus_per_node=0, train_args=["--embedding_kernel", "fused_uvm"]), "embedding_kernel"),
+        (dict(gpus_per_node=1, gpu_memory=0), "gpu_memory"),
     ],
 )
 def test_bad_options_name_the_flag(kw, flag):
     with pytest.raises(ConfigError) as e:
         render_bundle(DeploySpec(**kw))
     assert e.value.flag == flag, str(e.value)
+
+
+def test_a_cluster_that_cannot_hold_the_model_is_refused_in_one_line(capsys):
+    from torchrec_cloud.cli import main
+
+    args = ["--cloud", "generic", "--nodes", "1", "--gpus_per_node", "1", "--gpu_memory", "4", "--preset", "criteo-1tb"]
+    assert main(["render", *args]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1, err
+    # The reason `plan` gives: the cluster, the largest table, the smallest cluster that holds it.
+    assert "the model does not fit on 1 node of 1 GPU of 4 GiB" in err and "t_cat_0" in err
+    assert "the smallest cluster that holds it:" in err
+    # --no-plan renders it anyway, as it did before planning existed.
+    assert main(["render", *args, "--no-plan"]) == 0
+    assert "--embedding_kernel" not in capsys.readouterr().out
+
+
+def _planned(docs: list[dict]) -> tuple[str, list[str]]:
+    job = by_kind(docs, "Job")
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    return job["spec"]["template"]["metadata"]["annotations"]["torchrec-cloud/plan"], c["args"]
+
+
+def test_the_job_carries_the_planned_kernel_choice():
+    # The seeds' criteo-1tb on one 80 GB GPU: some tables cached, so the planner on the node chooses.
+    note, args = _planned(render(cloud="aws", instance_type="p4de.24xlarge", nodes=1, gpus_per_node=1,
+                                 preset="criteo-1tb"))  # fmt: skip
+    assert args[args.index("--embedding_kernel") + 1] == "auto"
+    assert "fused_uvm_caching on 1 rank(s)" in note
+    # Two nodes of 8 A100s hold every table in GPU memory: the job pins that.
+    note, args = _planned(render(cloud="aws", nodes=2, gpus_per_node=8, preset="criteo-1tb"))
+    assert args[args.index("--embedding_kernel") + 1] == "fused" and note.startswith("26 tables: 26 fused on 16 rank(s)")
+    # The user's kernel wins, once.
+    _, args = _planned(render(cloud="aws", nodes=2, gpus_per_node=8, preset="criteo-1tb",
+                              train_args=["--embedding_kernel", "fused_uvm_caching"]))  # fmt: skip
+    assert args.count("--embedding_kernel") == 1 and args[args.index("--embedding_kernel") + 1] == "fused_uvm_caching"
 
 
 def test_unknown_training_flag_is_rejected():

@@ -91,7 +91,7 @@ def test_random_labels_cannot_be_learned(tmp_path):
     assert abs(evals(records, "test")[0]["auc"] - 0.5) < 0.06
 
 
-def test_two_ranks_through_torchrun_agree_and_spread_tables(tmp_path):
+def test_two_ranks_through_torchrun_agree_and_spread_tables(tmp_path, capsys):
     out = tmp_path / "run"
     proc = torchrun(2, ["-m", "torchrec_cloud", "train", *TINY, "--output_dir", str(out)])
     assert proc.returncode == 0, explain(proc)
@@ -111,6 +111,18 @@ def test_two_ranks_through_torchrun_agree_and_spread_tables(tmp_path):
         tables += int(re.search(r"\((\d+) tables\)", line).group(1)) if "tables)" in line else 1
         assert " fused " in line, line
     assert 1 < len(plan_lines) < 26 and tables == 26 and ranks == {0, 1}, proc.stdout
+    # `torchrec-cloud plan` for this machine's topology (2 CPU ranks, its host memory) plans
+    # what the trainer trained with, as its start record lists it.
+    import json
+
+    from torchrec_cloud.cli import main
+    from torchrec_cloud.distributed import _host_memory_bytes
+
+    host_gib = str(_host_memory_bytes() / 2**30)
+    assert main(["plan", *TINY, "--gpus_per_node", "0", "--procs_per_node", "2", "--host_memory", host_gib,
+                 "--json"]) == 0  # fmt: skip
+    planned = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert planned["tables"] == records[0]["plan"]
 
 
 def test_ranks_with_unequal_batch_counts_stop_together(tmp_path):

@@ -94,7 +94,7 @@ def worker_ours(cfg, steps: int, warmup: int, precision: str = "fp32", profile: 
 
     from torchrec_cloud import comm
     from torchrec_cloud.build import build
-    from torchrec_cloud.distributed import init_distributed
+    from torchrec_cloud.distributed import init_distributed, kernel_counts
     from torchrec_cloud.train import quiet_library_warnings
 
     quiet_library_warnings()
@@ -150,6 +150,8 @@ def worker_ours(cfg, steps: int, warmup: int, precision: str = "fp32", profile: 
         "precision": precision,
         "ms_per_step": seconds / steps * 1e3,
         "collectives": trainer.collectives,
+        "pipeline": type(trainer.pipeline).__name__,
+        "kernels": kernel_counts(trainer.tables),
     }
     if alongside:
         result["matmul_gflops_around"] = [matmul_before, matmul_after]

@@ -1,5 +1,6 @@
 """One builder of a trainer, shared by ``train`` and ``bench``: the model, the speed-ups layer,
-sharding over the ranks, the optimizers, the schedule and TorchRec's training pipeline::
+sharding over the ranks, the optimizers, the schedule and TorchRec's training pipeline
+(its prefetching one where ``--prefetch_pipeline`` applies: UVM-cached tables on a GPU)::
 
     env = init_distributed(cfg.train.backend, cfg.train.num_threads, cfg.train.pg_timeout_s)
     trainer = build(cfg, env)                # collective: every rank calls it
@@ -12,14 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torchrec.distributed import DistributedModelParallel
-from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.distributed.train_pipeline import PrefetchTrainPipelineSparseDist, TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingPlan
 from torchrec.optim.keyed import CombinedOptimizer
 
 from torchrec_cloud import compat, speedups
 from torchrec_cloud.config import JobConfig
-from torchrec_cloud.distributed import Env, shard_model
-from torchrec_cloud.model import build_model
+from torchrec_cloud.distributed import Env, plan_tables, shard_model, uses_prefetch_pipeline
+from torchrec_cloud.model import build_model, table_configs
 from torchrec_cloud.optim import WarmupPolyDecay, build_optimizer
 
 
@@ -34,6 +35,7 @@ class Trainer:
     pipeline: TrainPipelineSparseDist
     speedups: speedups.Speedups
     collectives: str  # how the step communicates: "shared memory + gloo", "gloo", "nccl"
+    tables: list[dict]  # where each table went (distributed.plan_tables), for the start record
 
 
 def build(cfg: JobConfig, env: Env) -> Trainer:
@@ -47,5 +49,8 @@ def build(cfg: JobConfig, env: Env) -> Trainer:
     layer.apply_to_sharded(dmp)
     optimizer = build_optimizer(dmp, cfg.optimizer)
     scheduler = WarmupPolyDecay(optimizer, cfg.optimizer)
-    pipeline = TrainPipelineSparseDist(dmp, optimizer, env.device, execute_all_batches=True)
-    return Trainer(dmp, plan, optimizer, scheduler, pipeline, layer, layer.collectives(env))
+    prefetch = uses_prefetch_pipeline(cfg.sharding, plan, env.device)
+    pipeline_class = PrefetchTrainPipelineSparseDist if prefetch else TrainPipelineSparseDist
+    pipeline = pipeline_class(dmp, optimizer, env.device, execute_all_batches=True)
+    tables = plan_tables(plan, table_configs(cfg.model))
+    return Trainer(dmp, plan, optimizer, scheduler, pipeline, layer, layer.collectives(env), tables)

@@ -30,6 +30,7 @@ COMMANDS = {
     "train": "torchrec_cloud.train",
     "bench": "torchrec_cloud.bench",
     "report": "torchrec_cloud.report",
+    "plan": "torchrec_cloud.plan",
     "render": "torchrec_cloud.deploy.render",
     "submit": "torchrec_cloud.deploy.submit",
     "data": "torchrec_cloud.data.cli",

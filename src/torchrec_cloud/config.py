@@ -69,6 +69,9 @@ def _env_int(flag: str, name: str, default: int) -> int:
 # Numeric precision of the dense compute (``--precision`` of train and bench).
 Precision = Literal["fp32", "tf32", "bf16"]
 
+# Where a table's rows live on a GPU (TorchRec's EmbeddingComputeKernel values, and ``auto``).
+EmbeddingKernel = Literal["auto", "fused", "fused_uvm_caching", "fused_uvm"]
+
 
 @dataclass
 class ModelConfig:
@@ -296,6 +299,47 @@ class SpeedupsConfig:
     /dev/shm (when every rank can, with 256 MiB free each); off: gloo's TCP. Default on,
     or TORCHREC_CLOUD_SHM (0: off)."""
 
+
+@dataclass
+class ShardingConfig:
+    """Where the embedding tables live: TorchRec's planner places each table (sharding type,
+    ranks, kernel) within these bounds; ``torchrec-cloud plan`` shows the placement for any
+    cluster before it runs."""
+
+    embedding_kernel: EmbeddingKernel = "auto"
+    """How a table's rows are stored on a GPU: ``fused`` (all in GPU memory), ``fused_uvm_caching``
+    (in host memory, reached through unified memory, with a cache of hot rows in GPU memory),
+    ``fused_uvm`` (in host memory, no cache), or ``auto``: TorchRec's planner picks
+    ``fused`` or ``fused_uvm_caching`` per table, caching only the tables GPU memory cannot
+    hold. On CPU every table is ``fused`` (host memory): ``auto`` or ``fused`` only."""
+    cache_load_factor: float = 0.2
+    """For ``fused_uvm_caching`` tables: the share of a table's rows its GPU cache holds (TorchRec's
+    CacheParams.load_factor, fbgemm's default 0.2); in (0, 1)."""
+    prefetch_pipeline: bool = False
+    """When some table is ``fused_uvm_caching`` on a GPU, train with TorchRec's
+    PrefetchTrainPipelineSparseDist, which fetches the next batch's rows into the cache while
+    the current batch computes (the tables' caches then keep rows in flight, fbgemm's
+    prefetch_pipeline). Off until measured against the default pipeline on a GPU
+    (``bash bench/gpu_bench.sh uvm``); ignored on CPU and when no table is cached."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.cache_load_factor < 1.0:
+            raise ConfigError(
+                "cache_load_factor",
+                f"must be a fraction in (0, 1) (TorchRec's UVM cache size per table), got {self.cache_load_factor}",
+            )
+
+    def check_device(self, compute_device: str) -> None:
+        """Raise :class:`ConfigError` for a kernel that does not exist on ``compute_device``
+        (``cpu`` or ``cuda``): UVM places tables in host memory for a GPU to reach."""
+        if compute_device != "cuda" and self.embedding_kernel not in ("auto", "fused"):
+            raise ConfigError(
+                "embedding_kernel",
+                f"{self.embedding_kernel} places tables in host memory for a CUDA GPU to reach; on "
+                f"{compute_device} every table is already in host memory: use auto or fused",
+            )
+
+
 @dataclass
 class OutputConfig:
     """Where a run writes metrics and event files."""
@@ -380,13 +424,14 @@ class JobConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     speedups: SpeedupsConfig = field(default_factory=SpeedupsConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
     preset: str = "quickstart"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-SECTIONS = ("model", "data", "optimizer", "train", "output", "checkpoint", "speedups")
+SECTIONS = ("model", "data", "optimizer", "train", "output", "checkpoint", "speedups", "sharding")
 
 
 # ---------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import ctypes
 import dataclasses
 import os
 import sys
+import warnings
 from datetime import timedelta
 from typing import Optional
 
@@ -21,13 +22,15 @@ from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, get_default_sharders
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
-from torchrec.distributed.planner.types import ParameterConstraints
-from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
+from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
+from torchrec.distributed.planner.types import ParameterConstraints, PlannerError, ShardingOption
+from torchrec.distributed.types import CacheParams, ShardingEnv, ShardingPlan, ShardingType
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from torchrec_cloud import comm, compat
-from torchrec_cloud.config import JobConfig, TrainConfig
+from torchrec_cloud.config import ConfigError, JobConfig, ShardingConfig, TrainConfig
 from torchrec_cloud.optim import embedding_lr
 
 
@@ -136,21 +139,22 @@ def _host_memory_bytes() -> int:
 
 def topology(env: Env) -> Topology:
     """The planner's view of the job: ranks, ranks per host, device kind and memory."""
-    ddr = _host_memory_bytes() // env.local_world_size
-    if env.device.type == "cuda":
-        hbm = torch.cuda.get_device_properties(env.device).total_memory
-        return Topology(
-            world_size=env.world_size,
-            compute_device="cuda",
-            local_world_size=env.local_world_size,
-            hbm_cap=hbm,
-            ddr_cap=ddr,
-        )
+    hbm = torch.cuda.get_device_properties(env.device).total_memory if env.device.type == "cuda" else None
+    return make_topology(env.world_size, env.local_world_size, env.device.type, hbm,
+                         _host_memory_bytes() // env.local_world_size)  # fmt: skip
+
+
+def make_topology(
+    world_size: int, local_world_size: int, compute_device: str, hbm_cap: Optional[int], ddr_cap: int
+) -> Topology:
+    """TorchRec's Topology with its default bandwidths (``torchrec-cloud plan`` builds the
+    same for a cluster it is not running on); ``hbm_cap`` and ``ddr_cap`` per rank."""
     return Topology(
-        world_size=env.world_size,
-        compute_device="cpu",
-        local_world_size=env.local_world_size,
-        ddr_cap=ddr,
+        world_size=world_size,
+        compute_device=compute_device,
+        local_world_size=local_world_size,
+        hbm_cap=hbm_cap if compute_device == "cuda" else None,
+        ddr_cap=ddr_cap,
     )
 
 
@@ -159,22 +163,20 @@ def shard_model(
 ) -> tuple[DistributedModelParallel, ShardingPlan]:
     """Fuse row-wise Adagrad into the tables' backward, plan with the real topology, shard.
     The step's all-to-alls and DDP's all-reduces run on ``groups`` (the speed-ups layer's),
-    or on the default group."""
+    or on the default group. A model the cluster cannot hold stops here with
+    :class:`DoesNotFit` (one line)."""
     groups = groups or StepGroups()
-    apply_optimizer_in_backward(
-        RowWiseAdagrad,
-        model.model.sparse_arch.parameters(),
-        {"lr": embedding_lr(cfg.optimizer), "eps": cfg.optimizer.eps},
-    )
+    constraints = embedding_constraints(model, cfg.sharding, env.device.type)  # a bad kernel fails first
+    fuse_optimizer(model, cfg)
     sharders = get_default_sharders()
-    planner = EmbeddingShardingPlanner(
-        topology=topology(env),
-        batch_size=cfg.data.batch_size,
-        constraints=fused_constraints(model),
-        debug=False,
-    )
+    planner, _ = make_planner(topology(env), cfg, constraints)
     # The plan is made on rank 0 and broadcast as a pickled object: our control group (comm).
-    plan = planner.collective_plan(model, sharders, comm.group() or dist.GroupMember.WORLD)
+    try:
+        plan = planner.collective_plan(model, sharders, comm.group() or dist.GroupMember.WORLD)
+    except PlannerError as e:
+        raise DoesNotFit(f"the model does not fit on this job's {env.world_size} rank(s) ({env.device.type}): "
+                         f"{planner_failure(e)}; `torchrec-cloud plan` shows what would hold it") from e
+    keep_cache_params_where_cached(plan)
     dmp = DistributedModelParallel(
         module=model,
         env=ShardingEnv.from_process_group(groups.all_to_all or dist.GroupMember.WORLD),
@@ -184,6 +186,88 @@ def shard_model(
         device=env.device,
     )
     return dmp, plan
+
+
+def fuse_optimizer(model: torch.nn.Module, cfg: JobConfig) -> None:
+    """Row-wise Adagrad applied in the tables' backward (the planner sizes its state too)."""
+    apply_optimizer_in_backward(
+        RowWiseAdagrad,
+        model.model.sparse_arch.parameters(),
+        {"lr": embedding_lr(cfg.optimizer), "eps": cfg.optimizer.eps},
+    )
+
+
+class DoesNotFit(ConfigError):
+    """TorchRec's planner found no placement of the tables on the cluster: no restart helps
+    (exit 2, like a refused flag). The message is the whole reason, in one line."""
+
+    def __init__(self, reason: str) -> None:
+        ValueError.__init__(self, reason)
+        self.flag = "nodes"
+
+
+def make_planner(
+    topo: Topology, cfg: JobConfig, constraints: dict[str, ParameterConstraints]
+) -> tuple[EmbeddingShardingPlanner, "PlanCapture"]:
+    """TorchRec's planner as ``train`` and ``plan`` both run it, and what it chose (the
+    sharding options with their storage and perf estimates, the storage it reserved)."""
+    with warnings.catch_warnings():  # its FutureWarning is about dry runs without a dense estimate
+        warnings.simplefilter("ignore", FutureWarning)
+        capture = PlanCapture(HeuristicalStorageReservation(percentage=STORAGE_RESERVATION))
+    planner = EmbeddingShardingPlanner(
+        topology=topo,
+        batch_size=cfg.data.batch_size,
+        enumerator=OrderedEnumerator(topology=topo, batch_size=cfg.data.batch_size, constraints=constraints),
+        constraints=constraints,
+        storage_reservation=capture.reservation,
+        stats=[],  # its stats table goes to a log we silence; `torchrec-cloud plan` prints ours
+        callbacks=[capture],
+        debug=False,
+    )
+    return planner, capture
+
+
+# TorchRec's default: the share of each GPU's memory kept out of the tables' reach (beside
+# the dense part's and the inputs' own estimates), a margin for what the estimates miss.
+STORAGE_RESERVATION = 0.15
+
+
+class OrderedEnumerator(EmbeddingEnumerator):
+    """TorchRec's enumerator with its sharding options in one order in every process.
+
+    It lists a table's sharding types and kernels from a Python set, whose order follows the
+    process's string hashing (PYTHONHASHSEED), and the planner keeps the first of equally
+    rated plans: two processes could pick different plans for the same model and cluster,
+    and ``torchrec-cloud plan`` must pick what the trainer picks.
+    """
+
+    def enumerate(self, module: torch.nn.Module, sharders: list) -> list[ShardingOption]:
+        options = super().enumerate(module, sharders)
+        tables: dict[str, int] = {}
+        for option in options:
+            tables.setdefault(option.name, len(tables))
+        kernels = [k.value for k in EmbeddingComputeKernel]
+        return sorted(options, key=lambda o: (tables[o.name], SHARDING_TYPES.index(o.sharding_type)
+                                              if o.sharding_type in SHARDING_TYPES else len(SHARDING_TYPES),
+                                              kernels.index(o.compute_kernel) if o.compute_kernel in kernels else 0))  # fmt: skip
+
+
+class PlanCapture:
+    """The planner's callback: keeps the chosen sharding options (each shard with its rank,
+    storage and perf estimates)."""
+
+    def __init__(self, reservation: HeuristicalStorageReservation) -> None:
+        self.reservation = reservation
+        self.options: list[ShardingOption] = []
+
+    def __call__(self, options: list[ShardingOption]) -> list[ShardingOption]:
+        self.options = options
+        return options
+
+
+def planner_failure(error: PlannerError) -> str:
+    """The first line of TorchRec's planner error (the rest is a multi-line list of remedies)."""
+    return str(error).strip().splitlines()[0].rstrip(". ")
 
 
 class _DataParallelAcrossRanks(DefaultDataParallelWrapper):
@@ -203,25 +287,87 @@ class _DataParallelAcrossRanks(DefaultDataParallelWrapper):
             compat.wrapped_module(dmp).to(device)
 
 
-def fused_constraints(model: torch.nn.Module) -> dict[str, ParameterConstraints]:
-    """Keep every table model-parallel with the fused kernel.
+SHARDING_TYPES = [
+    ShardingType.TABLE_WISE.value,
+    ShardingType.ROW_WISE.value,
+    ShardingType.COLUMN_WISE.value,
+    ShardingType.TABLE_ROW_WISE.value,
+]
+# The kernels each --embedding_kernel lets the planner choose from on a GPU.
+GPU_KERNELS = {
+    "auto": [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.FUSED_UVM_CACHING.value],
+    "fused": [EmbeddingComputeKernel.FUSED.value],
+    "fused_uvm_caching": [EmbeddingComputeKernel.FUSED_UVM_CACHING.value],
+    "fused_uvm": [EmbeddingComputeKernel.FUSED_UVM.value],
+}
+CACHED = EmbeddingComputeKernel.FUSED_UVM_CACHING.value
+
+
+def embedding_constraints(
+    model: torch.nn.Module, cfg: ShardingConfig, compute_device: str
+) -> dict[str, ParameterConstraints]:
+    """Every table model-parallel, with the kernels ``--embedding_kernel`` allows on the device.
 
     Left alone, the planner makes small tables data-parallel with a dense kernel, which
-    bypasses the fused row-wise Adagrad the tables are meant to train with.
+    bypasses the fused row-wise Adagrad the tables are meant to train with (and on a GPU it
+    would also weigh key-value and SSD tables, which we do not offer).
     """
-    sharding_types = [
-        ShardingType.TABLE_WISE.value,
-        ShardingType.ROW_WISE.value,
-        ShardingType.COLUMN_WISE.value,
-        ShardingType.TABLE_ROW_WISE.value,
-    ]
+    cfg.check_device(compute_device)
+    kernels = GPU_KERNELS[cfg.embedding_kernel] if compute_device == "cuda" else [EmbeddingComputeKernel.FUSED.value]
+    cache = None
+    if CACHED in kernels:
+        cache = CacheParams(load_factor=cfg.cache_load_factor, prefetch_pipeline=cfg.prefetch_pipeline)
     ebc = model.model.sparse_arch.embedding_bag_collection
     return {
-        table.name: ParameterConstraints(
-            sharding_types=sharding_types, compute_kernels=[EmbeddingComputeKernel.FUSED.value]
-        )
+        table.name: ParameterConstraints(sharding_types=list(SHARDING_TYPES), compute_kernels=list(kernels),
+                                         cache_params=cache)
         for table in ebc.embedding_bag_configs()
     }
+
+
+def keep_cache_params_where_cached(plan: ShardingPlan) -> None:
+    """The cache settings go to fbgemm only for tables that have a cache: the planner copies
+    a table's constraints to whatever kernel it chose, and fbgemm's prefetch_pipeline hooks
+    have nothing to do on a table in GPU memory."""
+    for module_plan in plan.plan.values():
+        for ps in module_plan.values():  # type: ignore[union-attr]
+            if ps.compute_kernel != CACHED:
+                ps.cache_params = None
+
+
+def uses_prefetch_pipeline(cfg: ShardingConfig, plan: ShardingPlan, device: torch.device) -> bool:
+    """``--prefetch_pipeline`` applies: on a GPU, with at least one table cached."""
+    return cfg.prefetch_pipeline and device.type == "cuda" and any(
+        ps.compute_kernel == CACHED for module_plan in plan.plan.values() for ps in module_plan.values()  # type: ignore[union-attr]
+    )
+
+
+def plan_tables(plan: Optional[ShardingPlan], tables: list) -> list[dict]:
+    """Where each table (an ``EmbeddingBagConfig`` of ``model.table_configs``) went, as the
+    ``start`` record and ``torchrec-cloud plan --json`` list it: name, rows, dim, sharding
+    type, kernel, ranks (None: every rank, or not placed when there is no plan)."""
+    placed = {name: ps for module_plan in (plan.plan.values() if plan else ()) for name, ps in module_plan.items()}  # type: ignore[union-attr]
+    out = []
+    for table in tables:
+        ps = placed.get(table.name)
+        out.append({
+            "name": table.name,
+            "rows": table.num_embeddings,
+            "dim": table.embedding_dim,
+            "sharding_type": ps.sharding_type if ps else None,
+            "compute_kernel": ps.compute_kernel if ps else None,
+            "ranks": list(ps.ranks) if ps is not None and ps.ranks is not None else None,
+        })  # fmt: skip
+    return sorted(out, key=lambda t: _natural((t["name"],)))
+
+
+def kernel_counts(tables: list[dict]) -> dict[str, int]:
+    """Tables per kernel of :func:`plan_tables`' list, e.g. ``{"fused": 24, "fused_uvm_caching": 2}``."""
+    counts: dict[str, int] = {}
+    for t in tables:
+        if t["compute_kernel"]:
+            counts[t["compute_kernel"]] = counts.get(t["compute_kernel"], 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def plan_summary(plan: ShardingPlan, title: str = "sharding plan") -> str:
@@ -237,7 +383,8 @@ def plan_summary(plan: ShardingPlan, title: str = "sharding plan") -> str:
                   key=lambda row: _natural(row[0][0]))  # fmt: skip
     spans = [_table_span(tables) for tables, *_ in rows]
     width = max((len(span) for span in spans), default=5)
-    lines = [f"{span:<{width}}  {s:<12} {k:<8} ranks {r}" for span, (_, s, k, r) in zip(spans, rows)]
+    kw = max([8] + [len(k) for _, _, k, _ in rows])  # fused_uvm_caching is wider than fused
+    lines = [f"{span:<{width}}  {s:<12} {k:<{kw}} ranks {r}" for span, (_, s, k, r) in zip(spans, rows)]
     return f"{title}: {lines[0]}" if len(lines) == 1 else "\n  ".join([f"{title}:", *lines])
 
 

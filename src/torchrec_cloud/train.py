@@ -164,8 +164,9 @@ def _in_run_folder(cfg: JobConfig) -> JobConfig:
 
 def _start_record(cfg: JobConfig, env: Env, trainer: Trainer, facts: dict[str, Any], total_steps: int) -> dict[str, Any]:
     """The run's first record: where it runs, how the step communicates, what the speed-ups
-    layer applied, the steps it will train to, the whole config; on rank 0, what the data
-    source knows (``bayes_auc``)."""
+    layer applied, where each table went (``plan``: the sharding plan it trains with, to
+    compare with ``torchrec-cloud plan``), the whole config; on rank 0, what the data source
+    knows (``bayes_auc``)."""
     record: dict[str, Any] = {
         "event": "start",
         "step": 0,
@@ -175,6 +176,8 @@ def _start_record(cfg: JobConfig, env: Env, trainer: Trainer, facts: dict[str, A
         "collectives": trainer.collectives,
         "speedups": trainer.speedups.record(),
         "device": env.device.type,
+        "pipeline": type(trainer.pipeline).__name__,
+        "plan": trainer.tables,  # as `torchrec-cloud plan --json` lists its tables
         "threads_per_rank": torch.get_num_threads(),
         "config": cfg.to_dict(),
         **facts,

@@ -65,7 +65,7 @@ def torchrun_command(spec: DeploySpec, ctx: dict[str, Any]) -> str:
         "torchrec_cloud",
         "train",
     ]
-    args = spec.trainer_args(OUTPUT_ROOT)
+    args = spec.trainer_args(OUTPUT_ROOT, ctx["planned_args"])
     return " ".join(parts) + " " + " ".join(shlex.quote(a) for a in args)
 
 

@@ -39,6 +39,8 @@ LAUNCHER_TEMPLATES = {
 }
 SERVICE_ACCOUNT = "torchrec-trainer"
 JOB_LABEL = "torchrec-cloud/job"
+# The pods' annotation with the plan made before rendering (`kubectl describe pod`).
+PLAN_ANNOTATION = "torchrec-cloud/plan"
 # Where the trainer writes metrics.jsonl when no shared file system is mounted.
 LOCAL_OUTPUT_ROOT = "/workspace/runs"
 
@@ -115,6 +117,9 @@ def build_context(spec: DeploySpec, profile: Optional[Profile] = None) -> dict[s
     volumes, volume_mounts, storage, output_root = _volumes(spec, profile)
     grace = spec.grace_period_s or profile.termination_grace_period_s
     trainer_args = spec.trainer_args(output_root, monitoring.container_args)
+    plan, planned_args = _plan(spec, profile, instance, trainer_args)
+    if planned_args:
+        trainer_args = spec.trainer_args(output_root, [*monitoring.container_args, *planned_args])
     launch = _launch_args(spec, profile, grace, trainer_args)
     if identity:
         sa_annotations = {identity["annotation"]: spec.identity or identity["example"]}
@@ -138,7 +143,8 @@ def build_context(spec: DeploySpec, profile: Optional[Profile] = None) -> dict[s
         "labels": labels,
         "selector": selector,
         "pod_labels": {**labels, **identity.get("pod_labels", {}), **monitoring.pod_labels, **profile.pod_labels},
-        "pod_annotations": {**monitoring.pod_annotations, **profile.pod_annotations},
+        "pod_annotations": {**monitoring.pod_annotations, **profile.pod_annotations,
+                            **({PLAN_ANNOTATION: plan["summary"]} if plan else {})},
         "service_account": SERVICE_ACCOUNT,
         "service_account_annotations": sa_annotations,
         "identity_note": identity_note,
@@ -159,6 +165,8 @@ def build_context(spec: DeploySpec, profile: Optional[Profile] = None) -> dict[s
         "metrics_port": metrics_port,
         "monitoring": monitoring,
         "trainer_args": trainer_args,
+        "plan": plan,
+        "planned_args": planned_args,
         "launch_command": LAUNCH_COMMAND,
         "job_launch_args": launch["job"],
         "operator_launch_args": launch["pytorchjob"],
@@ -168,6 +176,16 @@ def build_context(spec: DeploySpec, profile: Optional[Profile] = None) -> dict[s
     }
     ctx["container_spec"] = _container_spec(ctx, ports=_ports(spec, profile, monitoring))
     return ctx
+
+
+def _plan(spec: DeploySpec, profile: Profile, instance, trainer_args: list[str]) -> tuple[Optional[dict], list[str]]:
+    """TorchRec's plan for the job's GPUs (``torchrec-cloud plan``; raises ``DoesNotFit``
+    when the cluster cannot hold the model) and the trainer flags it adds: the planned
+    ``--embedding_kernel``, unless the user gave one."""
+    from torchrec_cloud.plan import deploy_plan
+
+    plan = deploy_plan(spec, profile, instance, trainer_args)
+    return plan, (["--embedding_kernel", plan["kernel_flag"]] if plan else [])
 
 
 def _instance(spec: DeploySpec, profile: Profile):

@@ -39,6 +39,8 @@ class Instance:
     name: str
     gpus: int = 0
     gpu: str = ""
+    gpu_memory_gb: float = 0
+    """Memory of each GPU in GiB, for ``torchrec-cloud plan`` and the plan render makes first."""
     accelerator: str = ""
     vertex_accelerator: str = ""
     vcpus: int = 0

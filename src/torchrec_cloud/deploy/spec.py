@@ -78,6 +78,12 @@ class DeploySpec:
     """Trainer processes per node (default: one per GPU, or 1 on CPU nodes)."""
     instance_type: Optional[str] = None
     """Machine type from the profile (default: the profile's)."""
+    gpu_memory: Optional[float] = None
+    """Memory of each GPU in GiB, for the plan made before rendering (default: the instance's
+    gpu_memory_gb; a cluster with neither is not planned)."""
+    plan: bool = True
+    """Plan the tables for the cluster first (`torchrec-cloud plan`): refuse a cluster that
+    cannot hold the model, and pass the planned --embedding_kernel to the trainer."""
     image: str = DEFAULT_IMAGE
     """Container image built from docker/Dockerfile.cuda (or .cpu)."""
     name: str = "torchrec-dlrm"
@@ -124,6 +130,8 @@ class DeploySpec:
             raise ConfigError("nodes", f"must be >= 1, got {self.nodes}")
         if self.gpus_per_node < 0:
             raise ConfigError("gpus_per_node", f"must be >= 0, got {self.gpus_per_node}")
+        if self.gpu_memory is not None and self.gpu_memory <= 0:
+            raise ConfigError("gpu_memory", f"must be > 0 (GiB), got {self.gpu_memory}")
         if self.procs_per_node is not None and self.procs_per_node < 1:
             raise ConfigError("procs_per_node", f"must be >= 1, got {self.procs_per_node}")
         if self.gpus_per_node and self.procs_per_node and self.procs_per_node != self.gpus_per_node:
@@ -178,9 +186,10 @@ class DeploySpec:
         return getattr(_trainer_parser().parse_args(list(self.train_args)), "prometheus_port", None)
 
     def trainer_args(self, output_root: str, metrics_args: Sequence[str] = ()) -> list[str]:
-        """Flags for ``torchrec-cloud train``: preset, data, checkpoint, output, the metrics
-        endpoint's (``--prometheus_port``, ``--prometheus_linger`` from the monitoring
-        profile), then the user's, which win: a flag the user gives is not added twice.
+        """Flags for ``torchrec-cloud train``: preset, data, checkpoint, output, the pairs of
+        ``metrics_args`` (the metrics endpoint's ``--prometheus_port``/``--prometheus_linger``
+        from the monitoring profile, the plan's ``--embedding_kernel``), then the user's,
+        which win: a flag the user gives is not added twice.
         Raises :class:`ConfigError` if the combined flags would not start the trainer.
         """
         known = trainer_flags()
@@ -203,7 +212,8 @@ class DeploySpec:
                 args += [flag, value]
         args += user
         ns = _trainer_parser().parse_args(args)
-        config_from_args(ns)  # raises ConfigError naming the flag for bad values
+        cfg = config_from_args(ns)  # raises ConfigError naming the flag for bad values
+        cfg.sharding.check_device("cuda" if self.gpus_per_node else "cpu")
         return args
 
 

@@ -65,7 +65,7 @@ def container_command(spec: DeploySpec, ctx: dict[str, Any], output_root: str) -
         "-m",
         "torchrec_cloud",
         "train",
-        *spec.trainer_args(output_root),
+        *spec.trainer_args(output_root, ctx["planned_args"]),
     ]
     # NODE_RANK (exported) tells the launcher whether this replica hosts the store.
     script = (
