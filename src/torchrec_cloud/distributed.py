@@ -358,7 +358,7 @@ def plan_tables(plan: Optional[ShardingPlan], tables: list) -> list[dict]:
             "compute_kernel": ps.compute_kernel if ps else None,
             "ranks": list(ps.ranks) if ps is not None and ps.ranks is not None else None,
         })  # fmt: skip
-    return sorted(out, key=lambda t: _natural((t["name"],)))
+    return sorted(out, key=lambda t: _natural(t["name"]))
 
 
 def kernel_counts(tables: list[dict]) -> dict[str, int]:
