@@ -58,6 +58,9 @@ def test_predict_on_val_gives_the_runs_final_evaluation(run, capsys):
     assert result["rows"] == val["rows"] == 500  # 7000 // 7 held out, half of it val
     assert result["auc"] == pytest.approx(val["auc"], abs=1e-5)
     assert result["logloss"] == pytest.approx(val["logloss"], rel=1e-5)
+    rc, out, err = cli(capsys, "predict", str(run / "model"), "--dataset_path", str(run / "data"),
+                       "--split", "all", "--output", str(run / "all.csv"), "--json", "--no_progress")  # fmt: skip
+    assert rc == 0 and json.loads(out)["rows"] == 7_000, err  # every row, train's included
     lines = (run / "val.csv").read_text().splitlines()
     assert lines[0] == "probability,label" and len(lines) == 1 + val["rows"]
     probabilities = [float(line.split(",")[0]) for line in lines[1:]]

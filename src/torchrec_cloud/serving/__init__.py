@@ -21,9 +21,11 @@ See docs/serving.md.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
-from typing import Any
+import sys
+from typing import Any, Callable
 
 from torchrec_cloud import storage
 from torchrec_cloud.config import ConfigError, DataConfig, JobConfig, ModelConfig
@@ -72,3 +74,22 @@ def saved_job_config(saved: dict[str, Any], where: str) -> JobConfig:
         return JobConfig(model=_section(ModelConfig, saved["model"]), data=_section(DataConfig, saved.get("data") or {}))
     except (ConfigError, TypeError) as e:
         raise ServingError(f"{where}: the saved model config is unusable ({e})") from None
+
+
+def add_command(
+    subparsers: argparse._SubParsersAction, name: str, summary: str, doc: str, run: Callable[[argparse.Namespace], int]
+) -> argparse.ArgumentParser:
+    """The parser of ``torchrec-cloud NAME``, running ``run``: a checkpoint, model or dataset
+    it cannot use ends in one line naming it, exit 1 (a bad flag: ConfigError, exit 2)."""
+    from torchrec_cloud.checkpoint.store import CheckpointError
+
+    def main(ns: argparse.Namespace) -> int:
+        try:
+            return run(ns)
+        except (ServingError, CheckpointError, storage.StorageError) as e:
+            print(f"torchrec-cloud {name}: error: {e}", file=sys.stderr)
+            return 1
+
+    parser = subparsers.add_parser(name, help=summary, description=doc.split("\n\n")[0])
+    parser.set_defaults(func=main)
+    return parser

@@ -28,7 +28,7 @@ import torch
 
 from torchrec_cloud import storage
 from torchrec_cloud.checkpoint.dcp import load_full_state
-from torchrec_cloud.checkpoint.store import COMMIT_FILE, CheckpointError, CheckpointInfo, inspect_checkpoint, newest_complete
+from torchrec_cloud.checkpoint.store import COMMIT_FILE, CheckpointInfo, resolve
 from torchrec_cloud.config import ConfigError, JobConfig, ModelConfig
 from torchrec_cloud.serving import (
     CONFIG_FILE,
@@ -37,6 +37,7 @@ from torchrec_cloud.serving import (
     SCORER_FILE,
     WEIGHTS_FILE,
     ServingError,
+    add_command,
     saved_job_config,
 )
 from torchrec_cloud.serving.scorer import QUANTIZE, Scorer, Tables
@@ -45,18 +46,12 @@ MODEL_PREFIX = "model."  # the model's entries in a checkpoint (see checkpoint.d
 
 
 def find_checkpoint(path: str) -> CheckpointInfo:
-    """``path`` itself when it is a complete checkpoint, else the newest complete one under it."""
-    info = inspect_checkpoint(path)
-    if info.complete:
-        return info
-    if info.commit is None and not storage.exists(storage.join(path, ".metadata")):
-        newest = newest_complete(path)
-        if newest is not None:
-            return newest
-        if not storage.exists(path):
-            raise ServingError(f"{path} does not exist")
-        raise ServingError(f"{path} is neither a complete checkpoint nor a folder holding one")
-    raise ServingError(f"{path} is not a complete checkpoint: {info.problem}")
+    """``path`` itself when it is a complete checkpoint, else the newest complete one under
+    it: what ``--resume_from PATH`` would resume."""
+    try:
+        return resolve(path)
+    except ConfigError as e:
+        raise ServingError(str(e).split(": ", 1)[-1]) from None
 
 
 def job_config(info: CheckpointInfo) -> JobConfig:
@@ -251,11 +246,8 @@ def _report(config: dict[str, Any], output: str, log) -> None:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "export",
-        help="export a training checkpoint to a model directory that serves (TorchScript + weights)",
-        description=__doc__.split("\n\n")[0],
-    )
+    summary = "export a training checkpoint to a model directory that serves (TorchScript + weights)"
+    parser = add_command(subparsers, "export", summary, __doc__, _main)
     parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint, or a folder of them (its newest)")
     parser.add_argument("--output", required=True, metavar="DIR", help="the model directory to write (folder or URL)")
     parser.add_argument(
@@ -266,19 +258,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     parser.add_argument("--eval_rows", type=int, default=1_000_000, help="validation rows to measure it on, at most")
     parser.add_argument("--json", action="store_true", help="print the model config as one JSON object")
-    parser.set_defaults(func=_main)
     return parser
 
 
 def _main(ns: argparse.Namespace) -> int:
-    try:
-        config = export(
-            ns.checkpoint, ns.output, ns.quantize, ns.dataset_path, ns.eval_rows,
-            log=(lambda line: print(line, file=sys.stderr)) if ns.json else print,
-        )  # fmt: skip
-    except (ServingError, CheckpointError, storage.StorageError) as e:
-        print(f"torchrec-cloud export: error: {e}", file=sys.stderr)
-        return 1
+    log = (lambda line: print(line, file=sys.stderr)) if ns.json else print
+    config = export(ns.checkpoint, ns.output, ns.quantize, ns.dataset_path, ns.eval_rows, log)
     if ns.json:
         print(json.dumps(config))
     return 0

@@ -26,7 +26,14 @@ import torch
 
 from torchrec_cloud import storage
 from torchrec_cloud.config import ConfigError, JobConfig
-from torchrec_cloud.serving import CONFIG_FILE, SCORER_FILE, ServingError, read_model_config, saved_job_config
+from torchrec_cloud.serving import (
+    CONFIG_FILE,
+    SCORER_FILE,
+    ServingError,
+    add_command,
+    read_model_config,
+    saved_job_config,
+)
 
 SPLITS = ("val", "test", "all")
 
@@ -153,11 +160,8 @@ def predict(
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "predict",
-        help="score a dataset with an exported model: one click probability per row, AUC and log loss",
-        description=__doc__.split("\n\n")[0],
-    )
+    summary = "score a dataset with an exported model: one click probability per row, AUC and log loss"
+    parser = add_command(subparsers, "predict", summary, __doc__, _main)
     parser.add_argument("model_dir", metavar="MODEL_DIR", help="a model directory written by `torchrec-cloud export`")
     parser.add_argument("--dataset_path", required=True, help="preprocessed shards: a folder or s3://, gs://, az:// URL")
     parser.add_argument("--split", choices=SPLITS, default="val", help="rows to score (all: train, val and test)")
@@ -165,18 +169,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--batch_size", type=int, default=4096, help="rows scored at a time")
     parser.add_argument("--no_progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    parser.set_defaults(func=_main)
     return parser
 
 
 def _main(ns: argparse.Namespace) -> int:
     if ns.batch_size <= 0:
         raise ConfigError("batch_size", f"must be > 0, got {ns.batch_size}")
-    try:
-        result = predict(ns.model_dir, ns.dataset_path, ns.split, ns.output, ns.batch_size, not ns.no_progress)
-    except (ServingError, storage.StorageError) as e:
-        print(f"torchrec-cloud predict: error: {e}", file=sys.stderr)
-        return 1
+    result = predict(ns.model_dir, ns.dataset_path, ns.split, ns.output, ns.batch_size, not ns.no_progress)
     if ns.json:
         print(json.dumps(result))
     else:
