@@ -5,7 +5,8 @@ exported model, one click probability per row::
     torchrec-cloud predict s3://bucket/models/q --dataset_path s3://bucket/criteo --split test --output test.csv --json
 
 The dataset is a folder or URL of preprocessed shards (``torchrec-cloud data preprocess``;
-a raw Criteo TSV goes through that first, so it is parsed exactly as training parsed it).
+run it on a raw Criteo TSV first, with the model's table sizes, so the file is parsed
+exactly as training's data was).
 Rows are read as training's evaluation reads them and scored with the exported TorchScript
 module, as a server would load it, so on the validation split the AUC and log loss are
 the training run's final validation figures. The last line printed carries them
