@@ -35,6 +35,8 @@ COMMANDS = {
     "submit": "torchrec_cloud.deploy.submit",
     "data": "torchrec_cloud.data.cli",
     "checkpoint": "torchrec_cloud.checkpoint.cli",
+    "export": "torchrec_cloud.serving.export",
+    "predict": "torchrec_cloud.serving.predict",
     "launch": "torchrec_cloud.launch",
     "rehearse": "torchrec_cloud.rehearse",
 }

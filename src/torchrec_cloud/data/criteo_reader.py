@@ -211,8 +211,8 @@ class CriteoSource(DataSource):
                 index += 1
 
     def eval_batches(self, split: str) -> Iterator[tuple[Batch, int]]:
-        if split not in ("val", "test"):
-            raise ValueError(f"eval split must be 'val' or 'test', got {split!r}")
+        if split not in self.splits:  # "train" too: `predict --split all` scores every row
+            raise ValueError(f"no split {split!r} in {self.path}")
         rows = self.splits[split].rows
         ws, b = self.world_size, self.batch_size
         base, extra = divmod(rows, ws)

@@ -1,0 +1,269 @@
+"""``torchrec-cloud export CHECKPOINT --output DIR``: a sharded training checkpoint to a model
+directory that serves (layout in :mod:`torchrec_cloud.serving`)::
+
+    torchrec-cloud export runs/q/checkpoints --output models/q
+    torchrec-cloud export s3://bucket/runs/q/checkpoints/step_00002000 --output s3://bucket/models/q --quantize int8
+
+CHECKPOINT is one checkpoint or a folder of them (its newest complete one, as resume picks).
+A checkpoint of any world size is read whole on this one process, without a process group:
+DCP's index says where every shard of every table lives, so the tables are gathered from
+the ranks' files as they were saved.
+
+With ``--quantize fp16|int8`` the tables of the scoring module are quantized and the AUC
+it costs is measured on the run's validation split (its own synthetic data, its
+``--dataset_path``, or the one given here) and printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+import sys
+import time
+from typing import Any, Optional
+
+import torch
+
+from torchrec_cloud import storage
+from torchrec_cloud.checkpoint.dcp import load_full_state
+from torchrec_cloud.checkpoint.store import COMMIT_FILE, CheckpointInfo, resolve
+from torchrec_cloud.config import ConfigError, JobConfig, ModelConfig
+from torchrec_cloud.serving import (
+    CONFIG_FILE,
+    MODEL_FORMAT,
+    MODEL_VERSION,
+    SCORER_FILE,
+    WEIGHTS_FILE,
+    ServingError,
+    add_command,
+    saved_job_config,
+)
+from torchrec_cloud.serving.scorer import QUANTIZE, Scorer, Tables
+
+MODEL_PREFIX = "model."  # the model's entries in a checkpoint (see checkpoint.dcp.training_state)
+
+
+def find_checkpoint(path: str) -> CheckpointInfo:
+    """``path`` itself when it is a complete checkpoint, else the newest complete one under
+    it: what ``--resume_from PATH`` would resume."""
+    try:
+        return resolve(path)
+    except ConfigError as e:
+        raise ServingError(str(e).split(": ", 1)[-1]) from None
+
+
+def job_config(info: CheckpointInfo) -> JobConfig:
+    """The model and data config a checkpoint was trained with (from its COMMIT.json)."""
+    return saved_job_config((info.commit or {}).get("config") or {}, f"{info.path}/{COMMIT_FILE}")
+
+
+def unsharded_model(info: CheckpointInfo, cfg: JobConfig) -> torch.nn.Module:
+    """TorchRec's DLRMTrain on this process's CPU, with every table whole, from the checkpoint."""
+    from torchrec_cloud.model import build_model
+
+    try:
+        state = load_full_state(info.path)
+    except (storage.StorageError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        raise ServingError(f"cannot read checkpoint {info.path}: {_first_line(e)}") from None
+    weights = {k[len(MODEL_PREFIX) :]: v for k, v in state.items() if k.startswith(MODEL_PREFIX)}
+    model = build_model(cfg.model, dense_device=torch.device("cpu"))
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(weights))
+    wrong = [k for k in expected if k in weights and tuple(weights[k].shape) != tuple(expected[k].shape)]
+    if missing or wrong:
+        what = f"missing {missing[0]}" if missing else f"{wrong[0]} has shape {tuple(weights[wrong[0]].shape)}"
+        raise ServingError(f"{info.path} does not hold the model its COMMIT.json describes ({what})")
+    model.load_state_dict({k: weights[k] for k in expected}, assign=True)
+    return model.eval()
+
+
+def _first_line(e: BaseException) -> str:
+    failures = getattr(e, "failures", None)  # DCP's CheckpointException: rank -> (error, traceback)
+    if isinstance(failures, dict) and failures:
+        e = next(iter(failures.values()))[0]
+    text = " ".join(str(e).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def scorer_of(model: torch.nn.Module, quantize: str) -> torch.jit.ScriptModule:
+    """The TorchScript scoring module of an unsharded DLRMTrain (see :mod:`.scorer`)."""
+    dlrm = model.model
+    ebc = dlrm.sparse_arch.embedding_bag_collection
+    tables = [ebc.embedding_bags[c.name].weight for c in ebc.embedding_bag_configs()]
+    scorer = Scorer(dlrm.dense_arch, dlrm.inter_arch, dlrm.over_arch, Tables(tables, quantize))
+    for p in scorer.parameters():
+        p.requires_grad_(False)  # a server scores; no autograd graph per request
+    return torch.jit.script(scorer.eval())
+
+
+def check_against_torchrec(model: torch.nn.Module, scorer: torch.jit.ScriptModule, cfg: ModelConfig) -> None:
+    """The exported module must give TorchRec's logits on a random batch: a wrong mapping of
+    any weight fails the export here rather than serving wrong scores."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from torchrec_cloud.data import feature_names
+
+    g = torch.Generator().manual_seed(0)
+    b = 64
+    dense = torch.rand(b, cfg.num_dense_features, generator=g)
+    ids = torch.stack([torch.randint(0, n, (b,), generator=g) for n in cfg.table_sizes], dim=1)
+    kjt = KeyedJaggedTensor(
+        keys=feature_names(cfg.num_sparse_features),
+        values=ids.t().reshape(-1),
+        lengths=torch.ones(ids.numel(), dtype=torch.int32),
+        stride=b,
+    )
+    with torch.no_grad():
+        expected = model.model(dense, kjt).view(-1)
+        got = scorer.logits(dense, ids)
+    if not torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
+        raise ServingError(
+            f"the exported module disagrees with TorchRec's model (max |diff| {float((got - expected).abs().max()):.3g})"
+        )
+
+
+def _module_bytes(module: torch.jit.ScriptModule) -> bytes:
+    buffer = io.BytesIO()
+    torch.jit.save(module, buffer)
+    return buffer.getvalue()
+
+
+def quantization_cost(
+    fp32: torch.jit.ScriptModule, quantized: torch.jit.ScriptModule, cfg: JobConfig, max_rows: int
+) -> dict[str, Any]:
+    """AUC and log loss of both modules on the run's validation split (``max_rows`` at most)."""
+    from torchrec_cloud.evaluation import binary_metrics
+    from torchrec_cloud.serving.predict import eval_source, score
+
+    source = eval_source(cfg, cfg.data.batch_size)
+    logits, labels, seconds = score([fp32, quantized], source.eval_batches("val"), max_rows, progress=False)
+    base, after = binary_metrics(logits[0], labels), binary_metrics(logits[1], labels)
+    return {
+        "split": "val",
+        "rows": base["rows"],
+        "auc_fp32": base["auc"],
+        "auc": after["auc"],
+        "auc_change": after["auc"] - base["auc"],
+        "logloss_fp32": base["logloss"],
+        "logloss": after["logloss"],
+    }
+
+
+def export(
+    checkpoint: str,
+    output: str,
+    quantize: str = "none",
+    dataset_path: Optional[str] = None,
+    eval_rows: int = 1_000_000,
+    log=print,
+) -> dict[str, Any]:
+    """Write the model directory of ``checkpoint`` to ``output``; returns its model_config."""
+    if quantize not in QUANTIZE:
+        raise ConfigError("quantize", f"expected one of {', '.join(QUANTIZE)}, got {quantize!r}")
+    start = time.perf_counter()
+    info = find_checkpoint(checkpoint)
+    cfg = job_config(info)
+    if dataset_path is not None:
+        cfg.data.dataset_path = dataset_path
+    model = unsharded_model(info, cfg)
+    fp32 = scorer_of(model, "none")
+    check_against_torchrec(model, fp32, cfg.model)
+    scorer = fp32 if quantize == "none" else scorer_of(model, quantize)
+    scorer_bytes = _module_bytes(scorer)
+    weights = io.BytesIO()
+    torch.save({k: v.detach().contiguous() for k, v in model.state_dict().items()}, weights)
+
+    config: dict[str, Any] = {
+        "format": MODEL_FORMAT,
+        "version": MODEL_VERSION,
+        "model": dataclasses.asdict(cfg.model),
+        "features": {
+            "dense": cfg.model.num_dense_features,
+            "sparse": _feature_names(cfg.model.num_sparse_features),
+            "table_sizes": cfg.model.table_sizes,
+            "embedding_dim": cfg.model.embedding_dim,
+            "dense_transform": cfg.data.dense_transform,
+            "multi_hot_sizes": cfg.data.multi_hot_sizes,
+            "multi_hot_pooling": cfg.data.multi_hot_pooling,
+        },
+        "data": dataclasses.asdict(cfg.data),
+        "checkpoint": {"path": info.path, "step": info.step, "world_size": info.world_size},
+        "quantize": quantize,
+        "files": {SCORER_FILE: len(scorer_bytes), WEIGHTS_FILE: len(weights.getvalue())},
+        "scorer_bytes_fp32": len(_module_bytes(fp32)) if quantize != "none" else len(scorer_bytes),
+    }
+    if quantize != "none":
+        try:
+            config["quantization"] = quantization_cost(fp32, scorer, cfg, eval_rows)
+        except (ConfigError, storage.StorageError) as e:
+            config["quantization"] = {"not_measured": _first_line(e)}
+
+    storage.makedirs(output)
+    config_path = storage.join(output, CONFIG_FILE)
+    if storage.exists(config_path):
+        storage.remove(config_path)  # the folder is a model again only once all is rewritten
+    storage.write_bytes(storage.join(output, SCORER_FILE), scorer_bytes)
+    storage.write_bytes(storage.join(output, WEIGHTS_FILE), weights.getvalue())
+    storage.write_bytes(config_path, json.dumps(config, indent=1).encode())
+    config["seconds"] = time.perf_counter() - start
+    _report(config, output, log)
+    return config
+
+
+def _feature_names(n: int) -> list[str]:
+    from torchrec_cloud.data import feature_names
+
+    return feature_names(n)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _report(config: dict[str, Any], output: str, log) -> None:
+    ck = config["checkpoint"]
+    log(
+        f"exported {ck['path']} (step {ck['step']}, {ck['world_size']} ranks) to {output} in "
+        f"{config['seconds']:.1f}s: {SCORER_FILE} {_mib(config['files'][SCORER_FILE])} "
+        f"(tables {config['quantize']}), {WEIGHTS_FILE} {_mib(config['files'][WEIGHTS_FILE])}"
+    )
+    q = config.get("quantization")
+    if q is None:
+        return
+    if "not_measured" in q:
+        log(f"quantize {config['quantize']}: AUC change not measured ({q['not_measured']}); use --dataset_path")
+        return
+    log(
+        f"quantize {config['quantize']}: {SCORER_FILE} {_mib(config['scorer_bytes_fp32'])} -> "
+        f"{_mib(config['files'][SCORER_FILE])}; val AUC {q['auc_fp32']:.5f} -> {q['auc']:.5f} "
+        f"(change {q['auc_change']:+.5f}), logloss {q['logloss_fp32']:.5f} -> {q['logloss']:.5f} "
+        f"on {q['rows']} rows"
+    )
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    summary = "export a training checkpoint to a model directory that serves (TorchScript + weights)"
+    parser = add_command(subparsers, "export", summary, __doc__, _main)
+    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint, or a folder of them (its newest)")
+    parser.add_argument("--output", required=True, metavar="DIR", help="the model directory to write (folder or URL)")
+    parser.add_argument(
+        "--quantize", choices=QUANTIZE, default="none", help="store the scoring module's tables as fp16 or row-wise int8"
+    )
+    parser.add_argument(
+        "--dataset_path", default=None, help="data to measure the quantization's AUC change on (default: the run's own)"
+    )
+    parser.add_argument("--eval_rows", type=int, default=1_000_000, help="validation rows to measure it on, at most")
+    parser.add_argument("--json", action="store_true", help="print the model config as one JSON object")
+    return parser
+
+
+def _main(ns: argparse.Namespace) -> int:
+    log = (lambda line: print(line, file=sys.stderr)) if ns.json else print
+    config = export(ns.checkpoint, ns.output, ns.quantize, ns.dataset_path, ns.eval_rows, log)
+    if ns.json:
+        print(json.dumps(config))
+    return 0

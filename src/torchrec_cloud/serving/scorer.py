@@ -1,0 +1,101 @@
+"""The self-contained scoring module that ``export`` writes as TorchScript (``scorer.pt``).
+
+It holds the trained model's own dense arch, interaction and over arch (TorchRec's modules,
+compiled by TorchScript, so loading needs neither TorchRec nor this package) and, instead
+of TorchRec's EmbeddingBagCollection (whose fused kernels are fbgemm operators), every
+table in one plain tensor, looked up with plain torch ops::
+
+    scorer = torch.jit.load("model/scorer.pt")          # torch alone
+    probabilities = scorer(dense, ids)                   # [B, 13] float, [B, 26] int64 -> [B]
+    logits = scorer.logits_of_bags(dense, values, lengths)   # multi-hot bags, KJT layout
+
+Tables are stored in one of three forms (``--quantize``): ``none`` (float32, the trained
+values), ``fp16`` (half the bytes) or ``int8`` (a quarter, plus a float16 scale and offset
+per row: TorchRec's (fbgemm's) row-wise scheme, ``row = q * scale + bias``). Lookups return float32.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+QUANTIZE = ("none", "fp16", "int8")
+
+
+class Tables(nn.Module):
+    """Every embedding table in one ``[sum(rows), dim]`` tensor, table ``f`` starting at
+    ``row_offsets[f]``; each bag is the sum of its rows (TorchRec's ``sum`` pooling)."""
+
+    def __init__(self, tables: Sequence[torch.Tensor], quantize: str = "none") -> None:
+        super().__init__()
+        if quantize not in QUANTIZE:
+            raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
+        whole = torch.cat([t.detach().float() for t in tables])
+        sizes = torch.tensor([t.shape[0] for t in tables], dtype=torch.int64)
+        self.quantize = quantize
+        self.num_features = len(tables)
+        self.dim = int(whole.shape[1])
+        self.register_buffer("row_offsets", torch.cumsum(sizes, 0) - sizes)
+        self.register_buffer("table_sizes", sizes)
+        empty = torch.zeros(0)
+        if quantize == "int8":
+            # As fbgemm's row-wise int8 tables: scale and bias in float16, next to each row.
+            low = whole.min(dim=1).values.half()
+            scale = ((whole.max(dim=1).values - low.float()) / 255.0).half()
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+            q = torch.round((whole - low.float()[:, None]) / scale.float()[:, None]).clamp(0, 255)
+            self.register_buffer("weight", q.to(torch.uint8))
+            self.register_buffer("scale", scale)
+            self.register_buffer("bias", low)
+        else:
+            self.register_buffer("weight", whole.half() if quantize == "fp16" else whole)
+            self.register_buffer("scale", empty)
+            self.register_buffer("bias", empty)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` of the stacked tables, as float32."""
+        if self.quantize == "int8":
+            return self.weight[index].float() * self.scale[index].float().unsqueeze(1) + self.bias[index].float().unsqueeze(1)
+        return self.weight[index].float()
+
+    def forward(self, values: torch.Tensor, lengths: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """Pooled embeddings ``[B, F, D]`` of bags in TorchRec's KeyedJaggedTensor layout:
+        ``lengths`` [F * B], feature-major; ``values`` the ids of every bag in that order."""
+        bags = self.num_features * batch_size
+        bag = torch.repeat_interleave(torch.arange(bags, device=values.device), lengths.long())
+        index = values.long() + self.row_offsets[torch.div(bag, batch_size, rounding_mode="floor")]
+        pooled = torch.zeros(bags, self.dim, device=values.device)
+        pooled.index_add_(0, bag, self.rows(index))
+        return pooled.view(self.num_features, batch_size, self.dim).transpose(0, 1)
+
+
+class Scorer(nn.Module):
+    """Dense features and sparse ids to click probabilities: DLRM's forward, tables included."""
+
+    def __init__(self, dense_arch: nn.Module, inter_arch: nn.Module, over_arch: nn.Module, tables: Tables) -> None:
+        super().__init__()
+        self.dense_arch = dense_arch
+        self.inter_arch = inter_arch
+        self.over_arch = over_arch
+        self.tables = tables
+
+    @torch.jit.export
+    def logits_of_bags(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Click logits ``[B]`` for multi-hot bags (see :meth:`Tables.forward`)."""
+        batch_size = dense.shape[0]
+        embedded_dense = self.dense_arch(dense)
+        embedded_sparse = self.tables(values, lengths, batch_size)
+        return self.over_arch(self.inter_arch(embedded_dense, embedded_sparse)).view(-1)
+
+    @torch.jit.export
+    def logits(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Click logits ``[B]``: ``dense`` [B, num_dense] float, ``ids`` [B, num_sparse] int64."""
+        values = ids.t().reshape(-1)
+        lengths = torch.ones(values.shape[0], dtype=torch.int64, device=ids.device)
+        return self.logits_of_bags(dense, values, lengths)
+
+    def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Click probabilities ``[B]``, one id per sparse feature (what a server calls)."""
+        return torch.sigmoid(self.logits(dense, ids))
