@@ -323,8 +323,8 @@ def _evaluate(pipeline, source, split, step, epoch, env, sink, context) -> dict[
 
 def _resume(checkpoints: Checkpointer, dmp, optimizer, scheduler, env: Env, sink: MetricsSink) -> Position:
     start = time.perf_counter()
-    target = checkpoints.resume_target
     position = checkpoints.load(dmp, optimizer, scheduler)
+    target = checkpoints.resume_target  # the one loaded: an older one where the newest was damaged
     sink.log(
         {
             "event": "resume",
@@ -336,6 +336,7 @@ def _resume(checkpoints: Checkpointer, dmp, optimizer, scheduler, env: Env, sink
             "bytes": target.bytes,
             "saved_world_size": target.world_size,
             "world_size": env.world_size,
+            "verified": checkpoints.verifies(target),
         }
     )
     return position
