@@ -39,7 +39,7 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from torchrec_cloud import storage
+from torchrec_cloud import checksum, storage
 from torchrec_cloud.data.criteo_format import (
     CAT_FEATURES,
     DENSE_NAMES,
@@ -239,13 +239,16 @@ class _Converter:
         records = np.concatenate(self.parts) if self.parts else np.empty(0, self.dtype)
         name = _shard_name(self.opts, task.source, shard)
         target = storage.join(self.opts.output, SHARD_DIR, name)
+        data = records.tobytes()
         if len(records):
-            storage.write_bytes(target, records.tobytes())
+            storage.write_bytes(target, data)
         marker = {
             "shard": name,
             "source": task.source,
             "index": shard,
             "rows": int(len(records)),
+            "bytes": len(data),
+            checksum.ALGORITHM: checksum.digest(data),
             "lines": self.lines,
             "first_line": first_line,
             "start": task.start if task.kind == "range" else None,
@@ -465,13 +468,21 @@ def _manifest(opts: Options, markers: list[dict]) -> dict:
         "dense_encoding": "raw integers, missing = 0; the reader applies the log transform",
         "num_embeddings_per_feature": opts.num_embeddings_per_feature,
         "sources": sources,
-        "shards": [
-            {"path": f"{SHARD_DIR}/{m['shard']}", "source": m["source"], "rows": m["rows"]}
-            for m in shards
-        ],
+        "shards": [_shard_entry(opts, m) for m in shards],
         "splits": _splits(opts.dataset, opts, shards),
         "created_unix": int(time.time()),
     }
+
+
+def _shard_entry(opts: Options, marker: dict) -> dict:
+    """The manifest's entry of a shard, with its size and checksum (a shard committed by an
+    older version, without them in its marker, is read back to hash it)."""
+    path = f"{SHARD_DIR}/{marker['shard']}"
+    size, digest = marker.get("bytes"), marker.get(checksum.ALGORITHM)
+    if size is None or digest is None:
+        size, digest = checksum.file_digest(storage.join(opts.output, *path.split("/")))
+    return {"path": path, "source": marker["source"], "rows": marker["rows"], "bytes": size,
+            checksum.ALGORITHM: digest}  # fmt: skip
 
 
 def preprocess(opts: Options, workers: int = 0, progress: bool = True) -> Result:
