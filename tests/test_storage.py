@@ -54,6 +54,8 @@ def test_missing_bucket_is_typed_error(s3_service, monkeypatch):
         monkeypatch.setenv(key, value)
     with pytest.raises(storage.StorageNotFoundError, match="no-such-bucket-xyz"):
         storage.check_access("s3://no-such-bucket-xyz/run")
+    with pytest.raises(storage.StorageNotFoundError, match="no-such-bucket-xyz"):
+        storage.makedirs("s3://no-such-bucket-xyz/run")
 
 
 def test_unsupported_scheme_names_the_choices():
@@ -77,8 +79,11 @@ def test_unreachable_endpoint_is_typed_error(monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's retries only delay the same error
     with pytest.raises(storage.StorageUnreachableError, match="unreachable"):
         storage.check_access("s3://bucket/run")
+    with pytest.raises(storage.StorageUnreachableError, match="unreachable"):  # not "no such bucket"
+        storage.makedirs("s3://bucket/run")
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o027])

@@ -323,14 +323,11 @@ def list_sizes(path: str) -> dict[str, int]:
 def makedirs(path: str) -> None:
     """Create a folder and its parents. Object stores have no folders; for them this only
     checks that the bucket is there and reachable."""
+    if is_url(path):
+        check_access(path)  # not fs.exists: it answers False for an unreachable service too
+        return
     with _errors(path, "cannot create folder"):
-        if not is_url(path):
-            os.makedirs(_local(path), exist_ok=True)
-            return
-        fs, p = filesystem(path)
-        bucket = p.split("/", 1)[0]
-        if not fs.exists(bucket):
-            raise FileNotFoundError(f"bucket or container {bucket!r} does not exist")
+        os.makedirs(_local(path), exist_ok=True)
 
 
 def remove(path: str, recursive: bool = False) -> None:

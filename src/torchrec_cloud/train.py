@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torchrec_cloud import comm, metrics
 from torchrec_cloud.build import Trainer, build
 from torchrec_cloud.checkpoint import Checkpointer, Position
-from torchrec_cloud.config import JobConfig, add_config_flags, config_from_args
+from torchrec_cloud.config import ConfigError, JobConfig, add_config_flags, config_from_args
 from torchrec_cloud.data import DataSource, build_data_source
 from torchrec_cloud.distributed import Env, init_distributed, plan_summary
 from torchrec_cloud.evaluation import evaluate
@@ -191,9 +191,17 @@ def build_sinks(cfg: JobConfig, env: Env) -> MetricsSink:
     --prometheus_port every rank also serves its metrics (torchrec_cloud.metrics)."""
     from tqdm import tqdm
 
-    return metrics.build_sinks(
-        cfg, env.rank, env.local_rank, env.world_size, console_write=tqdm.write
-    )
+    sink, error = None, ""
+    try:
+        sink = metrics.build_sinks(cfg, env.rank, env.local_rank, env.world_size, console_write=tqdm.write)
+    except OSError as e:  # only rank 0 writes there; every rank must stop, not wait for it
+        error = f"cannot write metrics under {cfg.output.output_dir} ({e.strerror or e})"
+    problems = [m for m in comm.all_gather_object(error) if m]
+    if problems:
+        if sink is not None:
+            sink.close()
+        raise ConfigError("output_dir", problems[0])
+    return sink
 
 
 def segments(

@@ -279,9 +279,18 @@ def _marker_path(opts: Options, source: int, shard: int) -> str:
 
 def _load_marker(path: str) -> Optional[dict]:
     try:
-        return json.loads(storage.read_bytes(path))
+        return _read_json(path)
     except storage.StorageNotFoundError:
         return None
+
+
+def _read_json(path: str) -> Any:
+    """A record this command wrote (plan, marker, manifest); damaged bytes are a one-line error."""
+    data = storage.read_bytes(path)
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PreprocessError(f"{path} is damaged (not valid JSON: {e}); delete it, or use another --output") from e
 
 
 def run_task(opts: Options, task: Task) -> list[dict]:
@@ -495,7 +504,7 @@ def preprocess(opts: Options, workers: int = 0, progress: bool = True) -> Result
     plan_path = storage.join(opts.output, PLAN)
     plan = opts.plan()
     if storage.exists(plan_path):
-        old = json.loads(storage.read_bytes(plan_path))
+        old = _read_json(plan_path)
         if old != plan:
             changed = sorted(k for k in set(old) | set(plan) if old.get(k) != plan.get(k))
             raise PreprocessError(
@@ -503,7 +512,7 @@ def preprocess(opts: Options, workers: int = 0, progress: bool = True) -> Result
                 f"({', '.join(changed)}); use another --output or delete that one"
             )
         if storage.exists(storage.join(opts.output, MANIFEST)):
-            manifest = json.loads(storage.read_bytes(storage.join(opts.output, MANIFEST)))
+            manifest = _read_json(storage.join(opts.output, MANIFEST))
             return Result(manifest, time.perf_counter() - t0, len(manifest["shards"]), True)
     else:
         storage.write_bytes(plan_path, json.dumps(plan, indent=1).encode())

@@ -296,17 +296,17 @@ class CriteoSource(DataSource):
 
     def _batch(self, records: np.ndarray, shift: np.ndarray, key: Optional[tuple[int, int]]) -> Batch:
         b = len(records)
+        ids = records["sparse"].astype(np.int64)
+        if not self.ids_reduced:
+            ids %= self.table_sizes
+        else:
+            self._check_ids(ids)  # before the dense values: a damaged row's make numpy warn
         raw = records["dense"]
         if self.dense_transform == "log1p":
             dense = np.log(np.maximum(raw, 0) + 1, dtype=np.float32)
         else:
             # torchrec.datasets.criteo: x - (file minimum - 2), then log in float32.
             dense = np.log(raw - shift[:, None], dtype=np.float32)
-        ids = records["sparse"].astype(np.int64)
-        if not self.ids_reduced:
-            ids %= self.table_sizes
-        else:
-            self._check_ids(ids)
         ids_t = torch.from_numpy(ids)
         if self.multi_hot_sizes is not None:
             from torchrec_cloud.data.multihot import expand_multi_hot
