@@ -269,7 +269,7 @@ PRIVATE: tuple[Private, ...] = (
     ),
     Private(
         "torch.distributed.checkpoint._fsspec_filesystem.FileSystem",
-        "checkpoint/dcp.py dcp_storage: DCP's reader and writer on bucket URLs through our fsspec client",
+        "checkpoint/dcp.py _bind: DCP's reader and writer on bucket URLs through our fsspec client",
         _has("torch.distributed.checkpoint._fsspec_filesystem.FileSystem", "init_path"),
     ),
     Private(

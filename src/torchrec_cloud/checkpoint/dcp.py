@@ -258,10 +258,16 @@ class _HashingWriter:
         return getattr(self._stream, name)
 
 
+_KEPT_BLOCKS = 3
+"""Blocks read whole for part of them, kept: torch.load reads a tensor's record at its end,
+then its start, then its data, and the next tensor starts in the block where this one ends;
+with fewer kept, those blocks would be fetched again (a third more bytes from a bucket)."""
+
+
 class _VerifiedReader(io.RawIOBase):
     """A read stream over one checkpoint file that checks each block it reads against the
     file's recorded checksums. A block read only in part is read whole once (its checksum
-    covers all of it) and kept for the next read; a block already checked is read as asked."""
+    covers all of it) and kept for the next reads; a block already checked is read as asked."""
 
     def __init__(self, stream: Any, root: str, name: str, size: int, blocks: list[str], block_bytes: int) -> None:
         super().__init__()
@@ -270,7 +276,7 @@ class _VerifiedReader(io.RawIOBase):
         self._pos = 0
         self._raw_pos: Optional[int] = None
         self._checked: set[int] = set()
-        self._kept: tuple[int, bytearray] = (-1, bytearray())
+        self._kept: dict[int, bytearray] = {}  # oldest first
 
     def readable(self) -> bool:
         return True
@@ -293,8 +299,8 @@ class _VerifiedReader(io.RawIOBase):
         while pos < end:
             start, stop = k * self._block, min((k + 1) * self._block, self._size)
             piece = out[pos - self._pos : min(end, stop) - self._pos]
-            if self._kept[0] == k:
-                piece[:] = memoryview(self._kept[1])[pos - start : pos - start + len(piece)]
+            if k in self._kept:
+                piece[:] = memoryview(self._kept[k])[pos - start : pos - start + len(piece)]
             elif k in self._checked:
                 self._read_raw(pos, piece)
             elif len(piece) == stop - start:
@@ -304,7 +310,9 @@ class _VerifiedReader(io.RawIOBase):
                 whole = bytearray(stop - start)
                 self._read_raw(start, memoryview(whole))
                 self._check(k, whole)
-                self._kept = (k, whole)
+                self._kept[k] = whole
+                if len(self._kept) > _KEPT_BLOCKS:
+                    del self._kept[next(iter(self._kept))]
                 piece[:] = memoryview(whole)[pos - start : pos - start + len(piece)]
             pos += len(piece)
             k += 1
