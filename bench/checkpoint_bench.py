@@ -3,10 +3,13 @@
 Trains the quickstart model (26 tables x 100,000 rows x dim 64) in this process (one
 rank) with the real training loop, saving every ``--interval`` steps, synchronously and
 asynchronously, to a local folder and to the S3 emulator (moto, started here on
-127.0.0.1), and once without checkpoints as the baseline::
+127.0.0.1), and once without checkpoints as the baseline. Mode ``sync`` records a checksum
+of every file as it is written (the default) and verifies them on load; ``nosum`` is the
+same save with ``--no-checkpoint_checksums`` (file sizes only), for their cost::
 
     PYTHONPATH=src python bench/checkpoint_bench.py               # defaults below
     PYTHONPATH=src python bench/checkpoint_bench.py --steps 30 --interval 10 --json
+    PYTHONPATH=src python bench/checkpoint_bench.py --modes sync,nosum   # checksums' cost
 
 Printed per destination and mode:
 
@@ -15,7 +18,9 @@ Printed per destination and mode:
   copying the state in memory, plus waiting for the write where the next save comes first);
 - ``overhead_s``: extra training wall time per save against the run without checkpoints
   (the stall plus the slowdown of steps that share the CPU with a background write);
-- ``load_s``: resuming from the last checkpoint;
+- ``load_s``: resuming from the last checkpoint (verifying every block read, but in ``nosum``);
+- ``hash_s``: hashing the last checkpoint's files read back (XXH3 per block, one thread),
+  the work checksums add to a save, without the noise of two runs (local destination);
 - ``stall_%_1000``: ``stall_s`` as a share of 1000 training steps (the goal for async
   saves is below 5%); ``overhead_%_1000`` the same for ``overhead_s``.
 """
@@ -29,6 +34,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -55,23 +61,32 @@ def train_seconds(records: list[dict]) -> float:
     return next(r for r in records if r.get("event") == "end")["seconds"]
 
 
-def measure(base: list[str], destination: str, mode: str, baseline_s: float, steps: int, work: Path) -> dict[str, Any]:
-    from torchrec_cloud import checkpoint
+def measure(base: list[str], destination: str, mode: str, baseline_s: float, steps: int, work: Path,
+            run: str) -> dict[str, Any]:  # fmt: skip
+    from torchrec_cloud import checkpoint, checksum, storage
 
-    root = f"{destination}/{mode}"
+    root = f"{destination}/{run}"  # a folder per run: a run finding another's checkpoints would resume
     flags = [*base, "--checkpoint_path", root, "--checkpoint_keep", "1"]
     if mode == "async":
         flags.append("--async_checkpoint")
-    _, records = train(flags, work / f"{mode}-save")
+    elif mode == "nosum":
+        flags.append("--no-checkpoint_checksums")
+    _, records = train(flags, work / f"{run}-save")
     saves = [r for r in records if r.get("event") == "checkpoint"]
     overhead = (train_seconds(records) - baseline_s) / len(saves)
     step_s = baseline_s / steps
 
     # Resume from the last checkpoint: training is done, so this loads and evaluates.
-    _, resumed = train(flags, work / f"{mode}-load")
+    _, resumed = train(flags, work / f"{run}-load")
     load_s = next(r for r in resumed if r.get("event") == "resume")["seconds"]
     info = checkpoint.newest_complete(root)
     stall = statistics.median(r["stall_s"] for r in saves)
+    hashed = {}
+    if not storage.is_url(root):
+        start = time.perf_counter()
+        for name in info.commit["files"]:
+            checksum.hash_file(storage.join(root, info.name, name))
+        hashed["hash_s"] = round(time.perf_counter() - start, 3)
     return {
         "saves": len(saves),
         "bytes": info.bytes,
@@ -81,6 +96,7 @@ def measure(base: list[str], destination: str, mode: str, baseline_s: float, ste
         "load_s": round(load_s, 3),
         "stall_%_1000": round(100 * stall / (1000 * step_s), 3),
         "overhead_%_1000": round(100 * max(overhead, 0.0) / (1000 * step_s), 3),
+        **hashed,
     }
 
 
@@ -90,6 +106,9 @@ def main() -> int:
     parser.add_argument("--interval", type=int, default=10, help="steps between checkpoints (default 10)")
     parser.add_argument("--batch_size", type=int, default=2048, help="batch size (default 2048)")
     parser.add_argument("--destinations", default="local,s3", help="comma-separated: local, s3")
+    parser.add_argument("--modes", default="sync,nosum,async",
+                        help="comma-separated: sync, nosum (sync without checksums), async; "
+                        "repeat them to alternate runs (sync,nosum,sync,nosum)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args()
 
@@ -121,9 +140,15 @@ def main() -> int:
                     url = f"{s3.url}/bench"
                 else:
                     parser.error(f"--destinations: unknown {destination!r} (local, s3)")
-                for mode in ("sync", "async"):
+                for mode in args.modes.split(","):
+                    if mode not in ("sync", "nosum", "async"):
+                        parser.error(f"--modes: unknown {mode!r} (sync, nosum, async)")
                     flags = [*base, "--checkpoint_interval", str(args.interval)]
-                    results[f"{destination}_{mode}"] = measure(flags, url, mode, baseline_s, args.steps, work)
+                    key, n = f"{destination}_{mode}", 2
+                    while key in results:  # a mode listed again (alternating runs): sync#2, ...
+                        key, n = f"{destination}_{mode}#{n}", n + 1
+                    run = key.split("_", 1)[1].replace("#", "-")
+                    results[key] = measure(flags, url, mode, baseline_s, args.steps, work, run)
         finally:
             if s3 is not None:
                 s3.stop()
@@ -136,7 +161,8 @@ def main() -> int:
     for key, row in results.items():
         if isinstance(row, dict):
             destination, mode = key.rsplit("_", 1)
-            print(f"{destination:<12} {mode:<6} " + " ".join(f"{row[h]:>15}" for h in header))
+            print(f"{destination:<12} {mode:<6} " + " ".join(f"{row[h]:>15}" for h in header)
+                  + (f"   hash_s {row['hash_s']}" if "hash_s" in row else ""))
     if args.json:
         print(json.dumps(results))
     return 0

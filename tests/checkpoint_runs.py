@@ -105,3 +105,12 @@ def children(pid: int) -> list[int]:
             if ppid == pid:
                 out.append(int(entry.name))
     return out
+
+
+def flip_bytes(path: Path, count: int = 4096) -> None:
+    """Damage a file as a bad disk or a botched copy would: bytes in its middle inverted, its
+    size unchanged (a size check cannot see it)."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + count] = bytes(b ^ 0xFF for b in data[middle : middle + count])
+    path.write_bytes(bytes(data))

@@ -66,6 +66,8 @@ def test_round_trip(storage_root, tmp_path, capsys):
     assert [(i.name, i.complete, i.world_size, i.bytes) for i in listed] == [
         ("step_00000006", True, 1, saved[-1]["bytes"])
     ]
+    verified = checkpoint.verify_checkpoint(listed[0].path)  # checksums taken as each file was uploaded
+    assert verified.complete and set(verified.checksums["files"]) == {".metadata", "__0_0.distcp"}
     state = model_state(listed[0].path)
     tables = [k for k in state if k.endswith(".weight") and "embedding_bags" in k]
     assert len(tables) == 26 and all(state[k].shape == (1000, 16) for k in tables)
@@ -91,6 +93,7 @@ def test_async_save_commits_the_same_checkpoint(sync_run, tmp_path, capsys):
     assert all(r["stall_s"] <= r["seconds"] for r in saved)
     assert [i.step for i in checkpoint.list_checkpoints(str(root)) if i.complete] == [3, 6]
     for name in ("step_00000003", "step_00000006"):
+        assert checkpoint.verify_checkpoint(str(root / name)).checksums is not None  # from the background write
         expected, actual = model_state(str(sync_root / name)), model_state(str(root / name))
         assert sorted(expected) == sorted(actual)
         assert all(torch.equal(expected[k], actual[k]) for k in expected), name

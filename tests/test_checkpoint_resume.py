@@ -1,19 +1,22 @@
 """Multi-rank checkpoints through the real launcher (torchrun, gloo): a run stopped by
-SIGTERM or by a killed rank resumes to exactly the result of an uninterrupted run, and a
-checkpoint moves between 2 ranks and 1 rank with the same evaluation metrics."""
+SIGTERM or by a killed rank resumes to exactly the result of an uninterrupted run, a damaged
+newest checkpoint is passed over for the one before it to the same result, and a checkpoint
+moves between 2 ranks and 1 rank with the same evaluation metrics."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import stat
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from checkpoint_runs import LAUNCH, check, children, last, metrics, run, start, train_cmd, wait_for
-from torchrec_cloud import checkpoint
+from checkpoint_runs import LAUNCH, check, children, flip_bytes, last, metrics, run, start, train_cmd, wait_for
+from torchrec_cloud import checkpoint, cli
 from torchrec_cloud.launch import EXIT_PREEMPTED
 
 EPOCHS = 3  # 60 steps of the tiny model
@@ -23,9 +26,10 @@ COMMON = ["--num_epochs", str(EPOCHS), "--log_every", "1"]
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    """2 ranks, all steps without interruption; the final checkpoint holds the result."""
+    """2 ranks, all steps without interruption, a checkpoint after each epoch (three); the
+    final one holds the result."""
     out = tmp_path_factory.mktemp("reference")
-    check(run(train_cmd(2, out, *COMMON, "--checkpoint_path", str(out / "ckpt"))))
+    check(run(train_cmd(2, out, *COMMON, "--checkpoint_path", str(out / "ckpt"), "--checkpoint_interval", "20")))
     return out
 
 
@@ -171,3 +175,37 @@ def test_sigterm_with_a_frozen_peer_exits_after_the_stall_limit_not_the_launcher
         output = proc.communicate(timeout=60)[0]
     assert gone_after < 20, f"rank 0 still running {gone_after:.0f}s after SIGTERM:\n{output[-3000:]}"
     assert "no training step has finished for 3 s" in output, output[-3000:]
+
+
+@pytest.mark.parametrize("damaged", ["__1_0.distcp", ".metadata"])
+def test_damaged_newest_checkpoint_is_passed_over_for_the_one_before(reference, tmp_path, capsys, damaged):
+    """Rank 1's tensors (found while loading, by rank 1, and every rank falls back with it)
+    or DCP's index (found before the model is built) of the newest of three checkpoints."""
+    out, root = tmp_path / "run", tmp_path / "ckpt"
+    shutil.copytree(reference / "ckpt", root)
+    newest = root / checkpoint.checkpoint_name(STEPS)
+    assert [i.step for i in checkpoint.list_checkpoints(str(root)) if i.complete] == [20, 40, 60]
+    flip_bytes(newest / damaged)
+    assert checkpoint.inspect_checkpoint(str(newest)).complete  # sizes alone call it whole
+
+    assert cli.main(["checkpoint", "verify", str(root)]) == 1
+    err = capsys.readouterr().err
+    assert f"{newest}: DAMAGED: {damaged}: bytes " in err and "checksum mismatch" in err, err
+    assert cli.main(["checkpoint", "ls", "--verify", str(root)]) == 0
+    listed = capsys.readouterr().out
+    assert "step_00000040" in listed and f"DAMAGED: {damaged}" in listed, listed
+
+    proc = run(train_cmd(2, out, *COMMON, "--checkpoint_path", str(root), "--checkpoint_interval", "20"))
+    check(proc)
+    warning = f"skipping damaged checkpoint {newest}: {damaged}: bytes "
+    assert warning in proc.stderr and f"using {root / 'step_00000040'}" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    records = metrics(out)
+    resumed = last(records, event="resume")
+    assert (resumed["step"], resumed["path"], resumed["verified"]) == (40, str(root / "step_00000040"), True)
+    assert last(records, event="end")["step"] == STEPS
+    assert eval_metrics(records) == eval_metrics(metrics(reference))
+    assert_same_state(final_state(reference / "ckpt"), final_state(root))  # step 60 saved again, whole
+    assert checkpoint.verify_checkpoint(str(newest)).complete
+    # COMMIT.json is as readable as DCP's own files (both follow the umask)
+    assert stat.S_IMODE((newest / "COMMIT.json").stat().st_mode) == stat.S_IMODE((newest / damaged).stat().st_mode)

@@ -5,8 +5,9 @@ input; resuming; reading from storage emulators; and rows reaching ranks exactly
 from __future__ import annotations
 
 import gzip
-import os
 import json
+import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -264,6 +265,49 @@ def test_empty_and_truncated_files(tmp_path, capsys):
     rc, _, err = preprocess(capsys, "--format", "kaggle", "--input", str(tmp_path / "nope.txt"),
                             "--output", str(tmp_path / "d"))
     assert rc == 1 and "nope.txt" in err and "not found" in err
+
+
+@pytest.fixture
+def umask_022():
+    old = os.umask(0o022)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+@pytest.mark.parametrize("fmt", ["kaggle", "terabyte"])
+def test_crlf_files_preprocess_to_the_same_bytes_as_lf(tmp_path, capsys, monkeypatch, umask_022, fmt):
+    """Windows line endings: every output file equals that of the same lines with LF, byte for
+    byte, but for what records the input files themselves (their sizes, in _plan.json) and the
+    manifest's creation time. Every output is readable by others (0644 under umask 0022)."""
+    names = ["train.txt"] if fmt == "kaggle" else ["day_0.gz", "day_1.gz"]
+    outputs = {}
+    for ending in ("lf", "crlf"):
+        folder = tmp_path / ending
+        folder.mkdir()
+        monkeypatch.chdir(folder)  # the same input names in both runs' records
+        for seed, name in enumerate(names):
+            text = "".join(line + ("\r\n" if ending == "crlf" else "\n") for line in format_lines(generate(900, seed)))
+            data = text.encode()
+            Path(name).write_bytes(gzip.compress(data, mtime=0) if name.endswith(".gz") else data)
+        rc, _, err = preprocess(capsys, "--format", fmt, "--input", *names, "--output", "out",
+                                "--rows_per_shard", "400", "--num_embeddings", "1000")  # fmt: skip
+        assert rc == 0, err
+        outputs[ending] = {p.relative_to(folder / "out"): p for p in sorted((folder / "out").rglob("*")) if p.is_file()}
+    lf, crlf = outputs["lf"], outputs["crlf"]
+    assert sorted(lf) == sorted(crlf) and len([n for n in lf if n.suffix == ".bin"]) == (1 if fmt == "kaggle" else 6)
+    for name in lf:
+        assert stat.S_IMODE(crlf[name].stat().st_mode) == 0o644, name
+        if name.name in ("_plan.json", "manifest.json"):
+            a, b = json.loads(lf[name].read_text()), json.loads(crlf[name].read_text())
+            for record in (a, b):
+                record.pop("input_sizes", None)
+                record.pop("created_unix", None)
+            assert a == b, name
+        else:
+            assert lf[name].read_bytes() == crlf[name].read_bytes(), name
+    assert json.loads(lf[Path("manifest.json")].read_text())["rows"] == 900 * len(names)
 
 
 TRAIN_ROWS = 4880  # = 2 ranks x 40 batches x 61 rows

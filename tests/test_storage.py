@@ -1,10 +1,20 @@
 """The storage layer round-trips bytes on local disk and on the S3, GCS and Azure emulators,
-and turns failures into typed errors naming the path."""
+turns failures into typed errors naming the path, writes files readable as the umask says,
+and runs on cloud libraries that match their fsspec."""
 
 from __future__ import annotations
 
-import pytest
+import os
+import stat
+import subprocess
+import sys
+from importlib.metadata import requires, version
 
+import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+from helpers import env_for_subprocess
 from torchrec_cloud import storage
 
 
@@ -44,6 +54,8 @@ def test_missing_bucket_is_typed_error(s3_service, monkeypatch):
         monkeypatch.setenv(key, value)
     with pytest.raises(storage.StorageNotFoundError, match="no-such-bucket-xyz"):
         storage.check_access("s3://no-such-bucket-xyz/run")
+    with pytest.raises(storage.StorageNotFoundError, match="no-such-bucket-xyz"):
+        storage.makedirs("s3://no-such-bucket-xyz/run")
 
 
 def test_unsupported_scheme_names_the_choices():
@@ -67,5 +79,54 @@ def test_unreachable_endpoint_is_typed_error(monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's retries only delay the same error
     with pytest.raises(storage.StorageUnreachableError, match="unreachable"):
         storage.check_access("s3://bucket/run")
+    with pytest.raises(storage.StorageUnreachableError, match="unreachable"):  # not "no such bucket"
+        storage.makedirs("s3://bucket/run")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_written_files_follow_the_umask(tmp_path, umask):
+    """As DCP's own files and metrics.jsonl do: a serving job or a colleague can read what
+    a run wrote (tempfile.mkstemp's 0600 used to stick to COMMIT.json, manifests, shards)."""
+    old = os.umask(umask)
+    try:
+        storage.write_bytes(str(tmp_path / "sub" / "COMMIT.json"), b"{}")
+        with open(tmp_path / "plain", "wb"):
+            pass
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "sub" / "COMMIT.json").stat().st_mode) == 0o666 & ~umask
+    assert stat.S_IMODE((tmp_path / "plain").stat().st_mode) == 0o666 & ~umask
+    assert os.listdir(tmp_path / "sub") == ["COMMIT.json"]  # no temporary file left
+
+
+# s3fs and gcsfs are released with fsspec, on its calendar, and require the fsspec of their
+# release; adlfs has its own calendar and a range of fsspec.
+CLOUD_LIBRARIES = {"s3fs": "s3", "gcsfs": "gs", "adlfs": "az"}
+FOLLOW_FSSPEC = ("s3fs", "gcsfs")
+
+
+@pytest.mark.parametrize("library", sorted(CLOUD_LIBRARIES))
+def test_cloud_library_is_current_and_matches_fsspec(library):
+    """pyproject's `cloud` extra pins one coherent set; this fails where an installed library is
+    older than its fsspec (pip once settled on s3fs 0.4.2 of 2020 beside fsspec 2026.9) or
+    outside the fsspec versions it declares."""
+    fsspec_version, installed = Version(version("fsspec")), Version(version(library))
+    assert installed.major >= 2021, f"{library} {installed} is from before 2021 (fsspec warns it is very old)"
+    if library in FOLLOW_FSSPEC:
+        assert installed.release[:2] >= fsspec_version.release[:2], f"{library} {installed} is older than fsspec {fsspec_version}"
+    for line in requires(library) or []:
+        req = Requirement(line)
+        if req.name == "fsspec" and req.marker is None:
+            assert req.specifier.contains(fsspec_version, prereleases=True), f"{library} {installed} needs {req}"
+
+
+def test_cloud_libraries_import_without_warnings():
+    """Imported and looked up through fsspec as a run does, in a fresh process with warnings as
+    errors: no "s3fs is very old" (or any other) warning before a user's first real error."""
+    code = "import fsspec\n" + "".join(f"import {m}\nfsspec.get_filesystem_class({p!r})\n" for m, p in CLOUD_LIBRARIES.items())
+    proc = subprocess.run([sys.executable, "-W", "error", "-c", code], env=env_for_subprocess(), capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]

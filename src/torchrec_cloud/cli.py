@@ -8,8 +8,9 @@ namespace and returning an exit code::
     torchrun --nproc_per_node=2 -m torchrec_cloud train --preset quickstart
     torchrec-cloud bench --json
 
-Bad flags and bad values end with one line naming the flag and exit code 2. Every flag is
-accepted as ``--flag_name`` or ``--flag-name``; abbreviations are refused
+Bad flags and bad values end with one line naming the flag and exit code 2; what storage
+or a damaged checkpoint did, with one line saying what and where, and exit code 1. Every
+flag is accepted as ``--flag_name`` or ``--flag-name``; abbreviations are refused
 (:class:`~torchrec_cloud.config.FlagParser`).
 """
 
@@ -20,8 +21,14 @@ import sys
 from typing import Optional
 
 from torchrec_cloud import __version__
+from torchrec_cloud.checkpoint.store import CheckpointError
+from torchrec_cloud.compat import CompatError
 from torchrec_cloud.config import ConfigError, FlagParser
-from torchrec_cloud.launch import EXIT_CONFIG, end_pod
+from torchrec_cloud.launch import EXIT_CONFIG, EXIT_FAILED, end_pod
+from torchrec_cloud.storage import StorageError
+
+# Errors whose message names what failed and where: one line and exit 1, no traceback.
+ONE_LINE_ERRORS = (StorageError, CheckpointError, CompatError)
 
 # Sub-command name -> module, in the order ``--help`` lists them. Only the module of the
 # command being run is imported, so `render` or `report` do not wait for torch to load,
@@ -131,6 +138,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"torchrec-cloud {_command(argv)}: error: {e}", file=sys.stderr)
         end_pod(EXIT_CONFIG)
         return EXIT_CONFIG
+    except ONE_LINE_ERRORS as e:  # what storage or a damaged checkpoint did: the message says what and where
+        print(f"torchrec-cloud {_command(argv)}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return EXIT_FAILED
     except ModuleNotFoundError as e:
         extra = EXTRAS.get((e.name or "").split(".")[0])
         if extra is None:

@@ -269,8 +269,16 @@ PRIVATE: tuple[Private, ...] = (
     ),
     Private(
         "torch.distributed.checkpoint._fsspec_filesystem.FileSystem",
-        "checkpoint/dcp.py dcp_storage: DCP's reader and writer on bucket URLs through our fsspec client",
+        "checkpoint/dcp.py _bind: DCP's reader and writer on bucket URLs through our fsspec client",
         _has("torch.distributed.checkpoint._fsspec_filesystem.FileSystem", "init_path"),
+    ),
+    Private(
+        "torch.distributed.checkpoint FileSystemWriter.fs and FileSystemReader.fs (create_stream, rename)",
+        "checkpoint/dcp.py _bind: DCP's file streams hashed as written and verified as read",
+        _all_of(_assigned_in("torch.distributed.checkpoint.filesystem._FileSystemWriter.__init__", "fs"),
+                _assigned_in("torch.distributed.checkpoint.filesystem.FileSystemReader.__init__", "fs"),
+                _has("torch.distributed.checkpoint.filesystem.FileSystem", "create_stream", "rename"),
+                _has("torch.distributed.checkpoint._fsspec_filesystem.FileSystem", "create_stream", "rename")),
     ),
     Private(
         "torch.distributed._shard.sharded_tensor (Shard, ShardedTensor._init_from_local_shards_and_global_metadata, "
@@ -358,6 +366,17 @@ def fsspec_filesystem() -> type:
     from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
 
     return FileSystem
+
+
+def dcp_file_system(handle: Any) -> Any:
+    """The file system a DCP FileSystemWriter or FileSystemReader opens its files through."""
+    return handle.fs
+
+
+def set_dcp_file_system(handle: Any, fs: Any) -> None:
+    """Make a DCP FileSystemWriter or FileSystemReader open its files through ``fs`` (which
+    has the methods of DCP's ``FileSystem``: create_stream, rename, mkdir, ...)."""
+    handle.fs = fs
 
 
 def sharded_tensor_types() -> tuple[type, type]:

@@ -391,6 +391,9 @@ class CheckpointConfig:
     async_checkpoint: bool = False
     """Write checkpoints in a background thread; training waits only while the state is
     copied in memory."""
+    checkpoint_checksums: bool = True
+    """Record a checksum of every checkpoint file as it is written, and check what a resume
+    reads against them (a damaged checkpoint is skipped); off: file sizes only."""
 
     def __post_init__(self) -> None:
         _positive("checkpoint_interval", self.checkpoint_interval, allow_zero=True)

@@ -36,7 +36,7 @@ import builtins
 import contextlib
 import os
 import shutil
-import tempfile
+import uuid
 from dataclasses import dataclass
 from typing import IO, Any, Iterator, Optional
 
@@ -250,13 +250,17 @@ def read_bytes(path: str, start: Optional[int] = None, end: Optional[int] = None
 
 def write_bytes(path: str, data: bytes) -> None:
     """Write a whole file. Readers never see it half-written: local files are written to a
-    temporary name and renamed; object stores publish an object when its upload completes."""
+    temporary name and renamed; object stores publish an object when its upload completes.
+    Local files get the mode the umask gives (0644 under the usual 0022)."""
     with _errors(path, "cannot write"):
         if not is_url(path):
             local = _local(path)
             parent = os.path.dirname(os.path.abspath(local))
             os.makedirs(parent, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=parent, prefix=".tmp-", suffix="-" + os.path.basename(local))
+            tmp = os.path.join(parent, f".tmp-{uuid.uuid4().hex[:12]}-{os.path.basename(local)}")
+            # Not tempfile.mkstemp: its files are 0600 whatever the umask, and a renamed one
+            # keeps that mode; a file made here gets the umask's mode, as DCP's own files do.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
@@ -301,17 +305,29 @@ def listdir(path: str) -> list[str]:
         return sorted(names)
 
 
+def list_sizes(path: str) -> dict[str, int]:
+    """``{name: size}`` of the files directly under a folder, in one listing (a few requests
+    for a bucket, however many files). A folder that does not exist raises
+    :class:`StorageNotFoundError`."""
+    with _errors(path, "cannot list"):
+        if not is_url(path):
+            with os.scandir(_local(path)) as entries:
+                return {e.name: e.stat().st_size for e in entries if e.is_file()}
+        fs, p = filesystem(path)
+        entries = fs.ls(p.rstrip("/"), detail=True, refresh=True)
+        return {
+            e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e["size"]) for e in entries if e.get("type") == "file"
+        }
+
+
 def makedirs(path: str) -> None:
     """Create a folder and its parents. Object stores have no folders; for them this only
     checks that the bucket is there and reachable."""
+    if is_url(path):
+        check_access(path)  # not fs.exists: it answers False for an unreachable service too
+        return
     with _errors(path, "cannot create folder"):
-        if not is_url(path):
-            os.makedirs(_local(path), exist_ok=True)
-            return
-        fs, p = filesystem(path)
-        bucket = p.split("/", 1)[0]
-        if not fs.exists(bucket):
-            raise FileNotFoundError(f"bucket or container {bucket!r} does not exist")
+        os.makedirs(_local(path), exist_ok=True)
 
 
 def remove(path: str, recursive: bool = False) -> None:

@@ -37,7 +37,7 @@ from torchrec_cloud import comm, metrics
 from torchrec_cloud.metrics import run_folder
 from torchrec_cloud.build import Trainer, build
 from torchrec_cloud.checkpoint import Checkpointer, Position
-from torchrec_cloud.config import JobConfig, add_config_flags, config_from_args
+from torchrec_cloud.config import ConfigError, JobConfig, add_config_flags, config_from_args
 from torchrec_cloud.data import DataSource, build_data_source
 from torchrec_cloud.distributed import Env, init_distributed, plan_summary
 from torchrec_cloud.evaluation import evaluate
@@ -212,7 +212,17 @@ def build_sinks(cfg: JobConfig, env: Env, train_lines: bool = True) -> MetricsSi
     from tqdm import tqdm
 
     write = tqdm.write if not train_lines else lambda line: print(line, flush=True)
-    return metrics.build_sinks(cfg, env.rank, env.local_rank, env.world_size, write, train_lines)
+    sink, error = None, ""
+    try:
+        sink = metrics.build_sinks(cfg, env.rank, env.local_rank, env.world_size, write, train_lines)
+    except OSError as e:  # only rank 0 writes there; every rank must stop, not wait for it
+        error = f"cannot write metrics under {cfg.output.output_dir} ({e.strerror or e})"
+    problems = [m for m in comm.all_gather_object(error) if m]
+    if problems:
+        if sink is not None:
+            sink.close()
+        raise ConfigError("output_dir", problems[0])
+    return sink
 
 
 def segments(
@@ -349,8 +359,8 @@ def _evaluate(pipeline, source, split, step, epoch, env, sink, context, facts) -
 
 def _resume(checkpoints: Checkpointer, dmp, optimizer, scheduler, env: Env, sink: MetricsSink) -> Position:
     start = time.perf_counter()
-    target = checkpoints.resume_target
     position = checkpoints.load(dmp, optimizer, scheduler)
+    target = checkpoints.resume_target  # the one loaded: an older one where the newest was damaged
     sink.log(
         {
             "event": "resume",
@@ -362,6 +372,7 @@ def _resume(checkpoints: Checkpointer, dmp, optimizer, scheduler, env: Env, sink
             "bytes": target.bytes,
             "saved_world_size": target.world_size,
             "world_size": env.world_size,
+            "verified": checkpoints.verifies(target),
         }
     )
     return position

@@ -31,6 +31,12 @@ size it records: a save cut short by a crash or a kill, or a file truncated late
 skipped with a warning naming it, and the newest complete one before it is used. Only
 the newest ``--checkpoint_keep`` complete checkpoints are kept.
 
+``COMMIT.json`` also holds a checksum of every 4 MiB of every file, computed as each rank
+writes (or uploads) its files and handed to rank 0 with DCP's own write results. Resuming
+checks each block a rank reads against them (:mod:`.dcp`), and ``.metadata`` before anything
+is built: a damaged checkpoint is skipped with a warning naming the file, like an
+incomplete one (with ``--resume_from``, it is an error).
+
 SIGTERM (what Kubernetes and the clouds send before a spot or preemptible node goes
 away) sets a flag; the loop finishes the step in progress, all ranks agree to stop,
 save, and every process exits with ``launch.EXIT_PREEMPTED`` (:mod:`torchrec_cloud.preemption`).
@@ -49,11 +55,20 @@ import warnings
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from torchrec_cloud import storage
-from torchrec_cloud.checkpoint.dcp import dcp_storage, private_copy, set_rng_state, training_state
+from torchrec_cloud import checksum, storage
+from torchrec_cloud.checkpoint.dcp import (
+    load_error,
+    metadata_problem,
+    private_copy,
+    reader,
+    set_rng_state,
+    training_state,
+    writer,
+)
 from torchrec_cloud.checkpoint.store import (
     COMMIT_FILE,
     FORMAT_VERSION,
+    CheckpointDamagedError,
     CheckpointError,
     CheckpointInfo,
     CheckpointWarning,
@@ -61,6 +76,7 @@ from torchrec_cloud.checkpoint.store import (
     checkpoint_name,
     newest_complete,
     resolve,
+    warn_skipped,
 )
 from torchrec_cloud.compat import already_staged
 from torchrec_cloud.config import ConfigError, JobConfig
@@ -118,6 +134,7 @@ def _agree(env, fn: Callable[[], Any], flag: str) -> Any:
 class _PendingSave:
     future: Future
     path: str
+    writer: Any
     trainer: dict[str, Any]
     start: float
     stall: float
@@ -183,6 +200,9 @@ class Checkpointer:
     def _find_resume_target(self) -> Optional[CheckpointInfo]:
         if self.ck.resume_from is not None:
             target = resolve(self.ck.resume_from)
+            problem = metadata_problem(target)
+            if problem:
+                raise ConfigError("resume_from", f"{target.path} is damaged: {problem}")
             newer = newest_complete(self.root, warn=False) if self.root is not None else None
             if newer is not None and (newer.step or 0) > (target.step or 0):
                 warnings.warn(
@@ -195,7 +215,7 @@ class Checkpointer:
                 )
             return target
         if self.root is not None:
-            return newest_complete(self.root)
+            return newest_complete(self.root, check=metadata_problem)
         return None
 
     def _check_compatible(self, info: CheckpointInfo) -> None:
@@ -215,19 +235,46 @@ class Checkpointer:
 
     def load(self, dmp: torch.nn.Module, optimizer: Any, scheduler: Any) -> Position:
         """Load the resume target into the sharded model, optimizers and schedule, in place;
-        tables are resharded when the number of ranks changed. Returns where to continue."""
-        from torch.distributed.checkpoint import load
+        tables are resharded when the number of ranks changed. Returns where to continue.
 
-        info = self.resume_target
-        assert info is not None and info.commit is not None
-        reader = dcp_storage(info.path, write=False)
-        metadata = reader.read_metadata()
+        A block whose bytes differ from their checksum fails the load on every rank alike
+        (DCP hands each rank every rank's error); then the previous complete checkpoint is
+        loaded instead (its load overwrites every tensor the failed one touched), and
+        ``resume_target`` names it. With --resume_from, or with none older, it is an error."""
+        while True:
+            info = self.resume_target
+            assert info is not None and info.commit is not None
+            try:
+                return self._load(info, dmp, optimizer, scheduler)
+            except CheckpointDamagedError as e:
+                problem = f"{e.file}: {e.detail}"
+                if self.ck.resume_from is not None:
+                    raise ConfigError("resume_from", f"{info.path} is damaged: {problem}") from e
+                older = _agree(self.env, lambda: newest_complete(self.root, check=metadata_problem, below=info.step),
+                               "checkpoint_path")  # fmt: skip
+                if older is None:
+                    raise CheckpointError(
+                        f"checkpoint {info.path} is damaged ({problem}) and there is no complete one before it; "
+                        "move it away to start afresh"
+                    ) from e
+                if self.env.is_main:
+                    warn_skipped(info.as_damaged(problem), older)
+                self._check_compatible(older)
+                self.resume_target = older
+
+    def _load(self, info: CheckpointInfo, dmp: torch.nn.Module, optimizer: Any, scheduler: Any) -> Position:
+        from torch.distributed.checkpoint import CheckpointException, load
+
+        source = reader(info.path, info.commit if self.verifies(info) else None)
+        metadata = source.read_metadata()
         rng_key = f"rng.rank_{self.env.rank}.torch"
         state = training_state(dmp, optimizer, self.env.rank, with_rng=rng_key in metadata.state_dict_metadata)
         try:
-            load(state, storage_reader=reader)
-        except Exception as e:
-            raise CheckpointError(f"cannot load checkpoint {info.path}: {e}") from e
+            load(state, storage_reader=source)
+        except CheckpointDamagedError:
+            raise
+        except (CheckpointException, Exception) as e:
+            raise load_error(info.path, e) from e
         dmp.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         trainer = info.commit["trainer"]
@@ -236,6 +283,10 @@ class Checkpointer:
             set_rng_state(state["rng"][f"rank_{self.env.rank}"])
         self._last_step = int(trainer["step"]) if self._is_ours(info) else None
         return Position(int(trainer["step"]), int(trainer["epoch"]), int(trainer["batch"]))
+
+    def verifies(self, info: CheckpointInfo) -> bool:
+        """Whether loading ``info`` checks what it reads against checksums."""
+        return self.ck.checkpoint_checksums and info.checksums is not None
 
     def _is_ours(self, info: CheckpointInfo) -> bool:
         """Whether ``info`` lives under --checkpoint_path (then it need not be saved again)."""
@@ -275,26 +326,26 @@ class Checkpointer:
             "scheduler": scheduler.state_dict(),
         }
         state = training_state(dmp, optimizer, self.env.rank)
-        writer = dcp_storage(path, write=True)
+        files = writer(path, checksums=self.ck.checkpoint_checksums)
         self._last_step = position.step
         try:
             if self._async_group is not None:
                 future = async_save(
                     private_copy(state),
-                    storage_writer=writer,
+                    storage_writer=files,
                     process_group=self._async_group,
                     async_stager=already_staged(),
                 )
-                self._pending = _PendingSave(future, path, trainer, start, time.perf_counter() - start, reason)
+                self._pending = _PendingSave(future, path, files, trainer, start, time.perf_counter() - start, reason)
                 return
-            save(state, storage_writer=writer)
+            save(state, storage_writer=files)
         except storage.StorageError:
             raise
         except Exception as e:
             raise CheckpointError(f"cannot save checkpoint {path}: {e}") from e
         comm.barrier()
         seconds = time.perf_counter() - start
-        self._commit(path, trainer, seconds, seconds, reason, is_async=False)
+        self._commit(path, files, trainer, seconds, seconds, reason, is_async=False)
 
     def poll(self) -> None:
         """Commit a finished background save; cheap, call it between segments."""
@@ -316,12 +367,14 @@ class Checkpointer:
         stall = pending.stall + (now - blocked if training_waits else 0.0)
         # Rank 0 coordinates DCP's save: its future resolves only after every rank's
         # shards and the .metadata index are written, so it may commit without a barrier.
-        self._commit(pending.path, pending.trainer, now - pending.start, stall, pending.reason, is_async=True)
+        self._commit(pending.path, pending.writer, pending.trainer, now - pending.start, stall, pending.reason,
+                     is_async=True)  # fmt: skip
 
     def close(self) -> None:
         self.wait(training_waits=False)  # training is over: waiting for the write stalls no step
 
-    def _commit(self, path: str, trainer: dict, seconds: float, stall: float, reason: str, is_async: bool) -> None:
+    def _commit(self, path: str, files_writer: Any, trainer: dict, seconds: float, stall: float, reason: str,
+                is_async: bool) -> None:  # fmt: skip
         if not self.env.is_main:
             return
         files = {
@@ -330,7 +383,7 @@ class Checkpointer:
             if name != COMMIT_FILE and not name.startswith(".tmp-")
         }
         total = sum(files.values())
-        commit = {
+        commit: dict[str, Any] = {
             "format": FORMAT_VERSION,
             "step": trainer["step"],
             "world_size": self.env.world_size,
@@ -343,6 +396,9 @@ class Checkpointer:
             "trainer": trainer,
             "config": self.cfg.to_dict(),
         }
+        written = files_writer.file_checksums()
+        if written is not None:
+            commit["checksums"] = _checksums(path, files, written)
         storage.write_bytes(storage.join(path, COMMIT_FILE), json.dumps(commit, indent=1).encode())
         deleted = apply_retention(self.root, self.ck.checkpoint_keep)
         self.sink.log(
@@ -359,3 +415,15 @@ class Checkpointer:
                 "world_size": self.env.world_size,
             }
         )
+
+
+def _checksums(path: str, files: dict[str, int], written: dict[str, Optional[list[str]]]) -> dict[str, Any]:
+    """COMMIT.json's ``checksums``: the block checksums computed as each file was written; a
+    file that was not written in order (or whose size does not match them) is hashed now."""
+    blocks = {}
+    for name, size in files.items():
+        found = written.get(name)
+        if found is None or len(found) != checksum.block_count(size):
+            found = checksum.hash_file(storage.join(path, name)).blocks()
+        blocks[name] = found
+    return {"algorithm": checksum.ALGORITHM, "block_bytes": checksum.BLOCK_BYTES, "files": blocks}

@@ -1,10 +1,15 @@
-"""``torchrec-cloud checkpoint ls|inspect PATH``: what is under a ``--checkpoint_path`` (local
-folder or ``s3://``, ``gs://``, ``az://`` URL), and what one checkpoint holds::
+"""``torchrec-cloud checkpoint ls|inspect|verify PATH``: what is under a ``--checkpoint_path``
+(local folder or ``s3://``, ``gs://``, ``az://`` URL), what one checkpoint holds, and whether
+its bytes are still those that were saved::
 
     torchrec-cloud checkpoint ls s3://bucket/runs/q
     torchrec-cloud checkpoint inspect s3://bucket/runs/q/step_00000200 -v
     torchrec-cloud checkpoint ls runs/q            # a run folder: the checkpoints its run wrote
     torchrec-cloud checkpoint inspect runs/q/ckpt  # a folder of checkpoints: its newest complete one
+    torchrec-cloud checkpoint verify s3://bucket/runs/q          # exit 1 naming a damaged file
+
+``ls`` and ``inspect`` read only each ``COMMIT.json`` and the files' sizes; with ``--verify``
+they read every byte back against the checksums, as ``verify`` does.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from torchrec_cloud import storage
-from torchrec_cloud.checkpoint.dcp import read_metadata
+from torchrec_cloud.checkpoint.dcp import read_metadata, verify
 from torchrec_cloud.checkpoint.store import (
     COMMIT_FILE,
     CheckpointError,
@@ -66,9 +71,21 @@ def _checkpoint_at(path: str) -> str:
     return chosen.path
 
 
+def _status(i: CheckpointInfo, verified: bool = False) -> str:
+    if i.damaged:
+        return f"DAMAGED: {i.problem}"
+    if not i.complete:
+        return f"INCOMPLETE: {i.problem}"
+    if not verified:
+        return "complete"
+    return "complete, verified" if i.checksums else "complete (saved without checksums; .metadata readable)"
+
+
 def _ls(ns: argparse.Namespace) -> int:
     ns.path = checkpoints_of(ns.path)
     infos = list_checkpoints(ns.path)
+    if ns.verify:
+        infos = [verify(i.path) if i.complete else i for i in infos]
     if ns.json:
         print(json.dumps([_info_dict(i) for i in infos]))
         return 0
@@ -80,7 +97,7 @@ def _ls(ns: argparse.Namespace) -> int:
         return 0
     print(f"{'name':<16} {'step':>9} {'ranks':>5} {'size':>10}  {'created':<25} status")
     for i in infos:
-        status = "complete" if i.complete else f"INCOMPLETE: {i.problem}"
+        status = _status(i, ns.verify)
         created = (i.commit or {}).get("created", "-")
         step = "-" if i.step is None else str(i.step)
         print(f"{i.name:<16} {step:>9} {i.world_size or '-':>5} {_human(i.bytes):>10}  {created:<25} {status}")
@@ -94,6 +111,7 @@ def _info_dict(i: CheckpointInfo) -> dict[str, Any]:
         "name": i.name,
         "step": i.step,
         "complete": i.complete,
+        "damaged": i.damaged,
         "problem": i.problem or None,
         "world_size": i.world_size,
         "bytes": i.bytes,
@@ -106,14 +124,14 @@ def _info_dict(i: CheckpointInfo) -> dict[str, Any]:
 
 def _inspect(ns: argparse.Namespace) -> int:
     ns.path = _checkpoint_at(ns.path)
-    info = inspect_checkpoint(ns.path)
+    info = verify(ns.path) if ns.verify else inspect_checkpoint(ns.path)
     out = _info_dict(info)
     if not info.complete and info.commit is None and not storage.exists(storage.join(ns.path, ".metadata")):
         print(f"torchrec-cloud checkpoint inspect: {ns.path}: {info.problem}", file=sys.stderr)
         return 1
     tensors: list[dict[str, Any]] = []
     try:
-        metadata = read_metadata(ns.path)
+        metadata = read_metadata(ns.path, info.commit)
     except CheckpointError as e:
         out["problem"] = out["problem"] or str(e)
     else:
@@ -132,7 +150,7 @@ def _inspect(ns: argparse.Namespace) -> int:
     for key in ("path", "step", "epoch", "batch", "world_size", "created", "reason"):
         print(f"{key:<11} {out[key]}")
     print(f"{'size':<11} {_human(info.bytes)}" + (f" ({info.bytes} bytes)" if info.bytes is not None else ""))
-    print(f"{'status':<11} " + ("complete" if info.complete else f"INCOMPLETE: {info.problem}"))
+    print(f"{'status':<11} " + _status(info, ns.verify))
     if tensors:
         groups: dict[str, int] = {}
         for t in tensors:
@@ -155,13 +173,45 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     ls = sub.add_parser("ls", help="checkpoints under PATH: step, ranks, size, complete or not")
     ls.add_argument("path", metavar="PATH")
     ls.add_argument("--json", action="store_true", help="one JSON array instead of a table")
+    ls.add_argument("--verify", action="store_true", help=_VERIFY_HELP)
     ls.set_defaults(func=_run_cli(_ls))
     insp = sub.add_parser("inspect", help="one checkpoint: position, ranks, size, tensors")
     insp.add_argument("path", metavar="PATH")
     insp.add_argument("--json", action="store_true", help="one JSON object instead of text")
     insp.add_argument("-v", "--verbose", action="store_true", help="list every tensor")
+    insp.add_argument("--verify", action="store_true", help=_VERIFY_HELP)
     insp.set_defaults(func=_run_cli(_inspect))
+    ver = sub.add_parser(
+        "verify",
+        help="read every file of a checkpoint (or of every checkpoint in a folder) back against its checksums",
+        description="Read every byte of a checkpoint, or of each checkpoint under a folder, and compare it "
+        "with the checksums recorded when it was saved. Exit 1 naming each damaged or incomplete one.",
+    )
+    ver.add_argument("path", metavar="PATH", help="a step_N checkpoint, or a folder of them")
+    ver.set_defaults(func=_run_cli(_verify))
     return parser
+
+
+_VERIFY_HELP = "read every byte back against the checksums saved with it (slow); a damaged one says DAMAGED"
+
+
+def _verify(ns: argparse.Namespace) -> int:
+    one = storage.exists(storage.join(ns.path, COMMIT_FILE)) or storage.exists(storage.join(ns.path, ".metadata"))
+    infos = [inspect_checkpoint(ns.path)] if one else list_checkpoints(ns.path)
+    if not infos:
+        what = "does not exist" if not storage.exists(ns.path) else "holds no checkpoint"
+        print(f"torchrec-cloud checkpoint verify: error: {ns.path} {what}", file=sys.stderr)
+        return 1
+    bad = 0
+    for info in infos:
+        checked = verify(info.path) if info.complete else info
+        line = f"{checked.path}: {_status(checked, verified=True)}"
+        if checked.complete:
+            print(line)
+        else:
+            bad += 1
+            print(f"torchrec-cloud checkpoint verify: error: {line}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 def _run_cli(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:

@@ -1,20 +1,32 @@
 """What a checkpoint holds, and torch.distributed.checkpoint (DCP) bound to our storage.
 
-``training_state`` is the state dict DCP saves and loads in place; ``dcp_storage`` gives DCP
-a writer or reader for a local folder or a bucket URL (through :mod:`torchrec_cloud.storage`'s
-fsspec client); ``private_copy`` makes a copy that training cannot change, for an
-asynchronous save. The private DCP and ShardedTensor names used here come from
-:mod:`torchrec_cloud.compat`.
+``training_state`` is the state dict DCP saves and loads in place; ``writer`` and ``reader``
+give DCP a file system for a local folder or a bucket URL (through
+:mod:`torchrec_cloud.storage`'s fsspec client) that hashes every file as it is written and
+checks every block against those checksums as it is read (:mod:`torchrec_cloud.checksum`);
+``private_copy`` makes a copy that training cannot change, for an asynchronous save. The
+private DCP and ShardedTensor names used here come from :mod:`torchrec_cloud.compat`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
+import io
+import os
 import random
-from typing import TYPE_CHECKING, Any
+import threading
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
-from torchrec_cloud import compat, storage
-from torchrec_cloud.checkpoint.store import CheckpointError
+from torchrec_cloud import checksum, compat, storage
+from torchrec_cloud.checkpoint.store import (
+    CheckpointDamagedError,
+    CheckpointError,
+    CheckpointInfo,
+    inspect_checkpoint,
+    verify_checkpoint,
+)
 
 if TYPE_CHECKING:  # torch loads only where a command needs it: `checkpoint ls` does not
     import torch
@@ -83,38 +95,303 @@ def private_copy(state: Any) -> Any:
     return copy.deepcopy(state)
 
 
-def dcp_storage(path: str, write: bool):
-    """DCP's file-system writer/reader for a local folder, or bound to the storage layer's
-    fsspec client for a bucket URL (one place decides URL options and credentials)."""
-    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+def writer(path: str, checksums: bool = True):
+    """DCP's file-system writer for a local folder, or bound to the storage layer's fsspec
+    client for a bucket URL (one place decides URL options and credentials). With
+    ``checksums``, every file is hashed as its bytes are written (or uploaded); after the
+    save, rank 0's ``writer.file_checksums()`` holds every rank's."""
+    # Object stores publish a file when its upload completes; fsync is for local disks.
+    return _bind(_writer_class()(path, sync_files=not storage.is_url(path)), path, checksums, None)
 
-    if write:
-        # Object stores publish a file when its upload completes; fsync is for local disks.
-        handle = FileSystemWriter(path, sync_files=not storage.is_url(path))
-    else:
-        handle = FileSystemReader(path)
+
+def reader(path: str, commit: Optional[dict[str, Any]] = None):
+    """DCP's file-system reader for ``path`` (as :func:`writer`). Given the checkpoint's
+    ``COMMIT.json`` with checksums, every block read is checked against them, and a difference
+    raises :class:`CheckpointDamagedError` naming the file (no byte is read twice for it)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    recorded = (commit or {}).get("checksums")
+    expected = None
+    if recorded is not None:
+        sizes = commit["files"]  # type: ignore[index]
+        expected = {name: (sizes[name], blocks) for name, blocks in recorded["files"].items() if name in sizes}
+    return _bind(FileSystemReader(path), path, False, expected, recorded and int(recorded["block_bytes"]))
+
+
+def _bind(handle, path: str, hash_writes: bool, expected, block_bytes: Optional[int] = None):
+    fs = compat.dcp_file_system(handle)
     if storage.is_url(path):
         class StorageFileSystem(compat.fsspec_filesystem()):
             def init_path(self, p, **kwargs):
                 self.fs, _ = storage.filesystem(str(p))
                 return p
 
-        handle.fs = StorageFileSystem()
-        handle.path = handle.fs.init_path(path)
+        fs = StorageFileSystem()
+        handle.path = fs.init_path(path)
+    if hash_writes or expected is not None:
+        fs = _ChecksummedFileSystem(fs, path, expected, block_bytes or checksum.BLOCK_BYTES, hash_writes)
+    compat.set_dcp_file_system(handle, fs)
     return handle
 
 
-def read_metadata(path: str):
-    """DCP's index of a checkpoint: every saved key with its size, dtype and shards."""
+_WRITER: Optional[type] = None
+
+
+def _writer_class() -> type:
+    """DCP's FileSystemWriter whose ranks hand the checksums of the files they wrote to rank 0
+    with their write results (DCP gathers those to rank 0 for ``finish``, which writes
+    ``.metadata``), so no collective of our own is needed, for a sync or an async save."""
+    global _WRITER
+    if _WRITER is not None:
+        return _WRITER
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.futures import Future
+
+    class ChecksummingWriter(FileSystemWriter):
+        def write_data(self, plan, planner):
+            done = super().write_data(plan, planner)
+            fs = compat.dcp_file_system(self)
+            if not isinstance(fs, _ChecksummedFileSystem):
+                return done
+            done.wait()
+            mine = WriteResult(index=MetadataIndex(_CHECKSUMS_KEY), size_in_bytes=0,
+                               storage_data=_RankChecksums(dict(fs.written)))  # fmt: skip
+            out: Future = Future()
+            out.set_result([*done.value(), mine])
+            return out
+
+        def finish(self, metadata, results):
+            self.gathered = {}
+            kept = []
+            for rank_results in results:
+                for r in rank_results:
+                    if isinstance(r.storage_data, _RankChecksums):
+                        self.gathered.update(r.storage_data.files)
+                kept.append([r for r in rank_results if not isinstance(r.storage_data, _RankChecksums)])
+            super().finish(metadata, kept)
+
+        def file_checksums(self) -> Optional[dict[str, Optional[list[str]]]]:
+            """Rank 0, after the save: every file's block checksums (None where a file was
+            not written in order, to be hashed afterwards); None without checksums."""
+            fs = compat.dcp_file_system(self)
+            if not isinstance(fs, _ChecksummedFileSystem):
+                return None
+            return {**getattr(self, "gathered", {}), **fs.written}
+
+    _WRITER = ChecksummingWriter
+    return _WRITER
+
+
+_CHECKSUMS_KEY = "torchrec_cloud.checksums"
+
+
+@dataclasses.dataclass
+class _RankChecksums:
+    files: dict[str, Optional[list[str]]]
+
+
+class _ChecksummedFileSystem:
+    """DCP's file system (local or fsspec) with every file written hashed on its way out, and
+    every file read with recorded checksums verified block by block on its way in."""
+
+    def __init__(self, inner: Any, root: str, expected, block_bytes: int, hash_writes: bool) -> None:
+        self._inner, self._root = inner, root
+        self.expected: dict[str, tuple[int, list[str]]] = expected or {}
+        self.block_bytes, self.hash_writes = block_bytes, hash_writes
+        self.written: dict[str, Optional[list[str]]] = {}
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str) -> Iterator[Any]:
+        name = os.path.basename(os.fspath(path))
+        with self._inner.create_stream(path, mode) as stream:
+            if "r" in mode:
+                expected = self.expected.get(name)
+                yield stream if expected is None else _VerifiedReader(stream, self._root, name, *expected,
+                                                                      self.block_bytes)  # fmt: skip
+                return
+            if not self.hash_writes:
+                yield stream
+                return
+            hashing = _HashingWriter(stream, self.block_bytes)
+            yield hashing
+        with self._lock:
+            self.written[name] = hashing.blocks()
+
+    def rename(self, path, new_path) -> None:
+        self._inner.rename(path, new_path)  # .metadata is written under a temporary name
+        old, new = os.path.basename(os.fspath(path)), os.path.basename(os.fspath(new_path))
+        with self._lock:
+            if old in self.written:
+                self.written[new] = self.written.pop(old)
+
+
+class _HashingWriter:
+    """A write stream that hashes the bytes written through it (DCP writes each file in order;
+    one that seeks gets no checksums here and is hashed after the save instead)."""
+
+    def __init__(self, stream: Any, block_bytes: int) -> None:
+        self._stream = stream
+        self._hasher: Optional[checksum.BlockHasher] = checksum.BlockHasher(block_bytes)
+
+    def write(self, data) -> int:
+        if self._hasher is not None:
+            self._hasher.update(data)
+        return self._stream.write(data)
+
+    def seek(self, *args) -> int:
+        self._hasher = None
+        return self._stream.seek(*args)
+
+    def blocks(self) -> Optional[list[str]]:
+        return None if self._hasher is None else self._hasher.blocks()
+
+    def writable(self) -> bool:
+        return True
+
+    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close
+        return getattr(self._stream, name)
+
+
+_KEPT_BLOCKS = 3
+"""Blocks read whole for part of them, kept: torch.load reads a tensor's record at its end,
+then its start, then its data, and the next tensor starts in the block where this one ends;
+with fewer kept, those blocks would be fetched again (a third more bytes from a bucket)."""
+
+
+class _VerifiedReader(io.RawIOBase):
+    """A read stream over one checkpoint file that checks each block it reads against the
+    file's recorded checksums. A block read only in part is read whole once (its checksum
+    covers all of it) and kept for the next reads; a block already checked is read as asked."""
+
+    def __init__(self, stream: Any, root: str, name: str, size: int, blocks: list[str], block_bytes: int) -> None:
+        super().__init__()
+        self._raw, self._root, self._name = stream, root, name
+        self._size, self._blocks, self._block = size, blocks, block_bytes
+        self._pos = 0
+        self._raw_pos: Optional[int] = None
+        self._checked: set[int] = set()
+        self._kept: dict[int, bytearray] = {}  # oldest first
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        out = memoryview(buffer).cast("B")
+        n = max(0, min(len(out), self._size - self._pos))
+        pos, end, k = self._pos, self._pos + n, self._pos // self._block
+        while pos < end:
+            start, stop = k * self._block, min((k + 1) * self._block, self._size)
+            piece = out[pos - self._pos : min(end, stop) - self._pos]
+            if k in self._kept:
+                piece[:] = memoryview(self._kept[k])[pos - start : pos - start + len(piece)]
+            elif k in self._checked:
+                self._read_raw(pos, piece)
+            elif len(piece) == stop - start:
+                self._read_raw(start, piece)
+                self._check(k, piece)
+            else:
+                whole = bytearray(stop - start)
+                self._read_raw(start, memoryview(whole))
+                self._check(k, whole)
+                self._kept[k] = whole
+                if len(self._kept) > _KEPT_BLOCKS:
+                    del self._kept[next(iter(self._kept))]
+                piece[:] = memoryview(whole)[pos - start : pos - start + len(piece)]
+            pos += len(piece)
+            k += 1
+        self._pos = end
+        return n
+
+    def _read_raw(self, offset: int, into: memoryview) -> None:
+        if self._raw_pos != offset:
+            self._raw.seek(offset)
+        got = 0
+        while got < len(into):
+            n = self._raw.readinto(into[got:])
+            if not n:
+                raise CheckpointDamagedError(self._root, self._name, f"ends at byte {offset + got}, before the "
+                                             f"{self._size} bytes that were saved")  # fmt: skip
+            got += n
+        self._raw_pos = offset + got
+
+    def _check(self, k: int, data) -> None:
+        self._checked.add(k)
+        if k >= len(self._blocks) or checksum.digest(data) != self._blocks[k]:
+            self._checked.discard(k)
+            raise CheckpointDamagedError(self._root, self._name, checksum.describe_block(k, self._size, self._block))
+
+
+def read_metadata(path: str, commit: Optional[dict[str, Any]] = None):
+    """DCP's index of a checkpoint: every saved key with its size, dtype and shards (checked
+    against the checkpoint's checksums when ``commit`` has them)."""
     try:
-        return dcp_storage(path, write=False).read_metadata()
-    except storage.StorageError:
+        return reader(path, commit).read_metadata()
+    except (storage.StorageError, CheckpointDamagedError):
         raise
     except Exception as e:  # noqa: BLE001 - a missing or damaged .metadata, any backend
         raise CheckpointError(f"{path}: cannot read DCP metadata ({type(e).__name__}: {e})") from e
 
 
+def metadata_problem(info: CheckpointInfo) -> str:
+    """Why ``info``'s ``.metadata`` (DCP's index, which every rank reads first) cannot be used,
+    or "": its bytes differ from their checksum, or it does not unpickle (a checkpoint saved
+    without checksums). A storage error is raised, not reported: it says nothing of the bytes."""
+    try:
+        read_metadata(info.path, info.commit)
+    except CheckpointDamagedError as e:
+        return f"{e.file}: {e.detail}"
+    except CheckpointError as e:
+        return f".metadata cannot be read ({str(e).split('(', 1)[-1].rstrip(')')})"
+    return ""
+
+
+def verify(path: str) -> CheckpointInfo:
+    """:func:`~torchrec_cloud.checkpoint.store.verify_checkpoint`, and for a checkpoint saved
+    without checksums, whether its ``.metadata`` can be read (the one check left)."""
+    info = verify_checkpoint(path)
+    if info.complete and info.checksums is None:
+        problem = metadata_problem(info)
+        if problem:
+            return info.as_damaged(problem)
+    return info
+
+
 def load_full_state(path: str) -> dict[str, Any]:
     """The whole checkpoint as plain, unsharded tensors in this one process (no process
     group): for inspection, tests and export. Keys are DCP's flattened FQNs."""
-    return compat.load_whole(dcp_storage(path, write=False))
+    from torch.distributed.checkpoint import CheckpointException
+
+    info = inspect_checkpoint(path)
+    try:
+        return compat.load_whole(reader(path, info.commit))
+    except CheckpointException as e:
+        raise load_error(path, e) from e
+
+
+def load_error(path: str, e: BaseException) -> CheckpointError:
+    """The error to raise for a failed DCP load: the first rank's :class:`CheckpointDamagedError`
+    where a block did not match its checksum, else a :class:`CheckpointError` saying what failed.
+    DCP's ``CheckpointException`` carries every rank's error, the same on every rank."""
+    failures = getattr(e, "failures", None)
+    errors = [error for _, (error, _) in sorted(failures.items())] if failures else [e]
+    damaged = [error for error in errors if isinstance(error, CheckpointDamagedError)]
+    if damaged:
+        return damaged[0]
+    return CheckpointError(f"cannot load checkpoint {path}: {type(errors[0]).__name__}: {errors[0]}")

@@ -2,10 +2,13 @@
 
 A checkpoint is a ``step_NNNNNNNN`` folder that exists only once its ``COMMIT.json`` is
 there and every file it lists has the size it records; anything else is skipped with a
-:class:`CheckpointWarning` naming it. Everything here goes through
+:class:`CheckpointWarning` naming it. ``COMMIT.json`` also records the checksums of every
+file (format 2; :mod:`torchrec_cloud.checksum`): :func:`verify_checkpoint` reads every byte
+back and names a file whose bytes changed. Everything here goes through
 :mod:`torchrec_cloud.storage`, so it works the same on every backend and needs no torch::
 
     newest_complete("s3://bucket/runs/q")          # the one to resume, or None
+    verify_checkpoint("s3://bucket/runs/q/step_00000200").damaged
     apply_retention("s3://bucket/runs/q", keep=3)  # delete all but the newest 3
 """
 
@@ -15,18 +18,31 @@ import dataclasses
 import json
 import re
 import warnings
-from typing import Any, Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Optional
 
-from torchrec_cloud import storage
+from torchrec_cloud import checksum, storage
 from torchrec_cloud.config import ConfigError
 
 COMMIT_FILE = "COMMIT.json"
-FORMAT_VERSION = 1  # of COMMIT.json
+FORMAT_VERSION = 2  # of COMMIT.json; 2 added "checksums", 1 recorded sizes only (still read)
 _NAME = re.compile(r"^step_(\d+)$")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read."""
+
+
+class CheckpointDamagedError(CheckpointError):
+    """A file of a checkpoint is not what was saved: its bytes differ from the checksums in
+    ``COMMIT.json``, or its ``.metadata`` cannot be read."""
+
+    def __init__(self, checkpoint: str, file: str, detail: str) -> None:
+        super().__init__(f"{file} of {checkpoint}: {detail}")
+        self.checkpoint, self.file, self.detail = checkpoint, file, detail
+
+    def __reduce__(self) -> Any:  # crosses process boundaries (DCP gathers ranks' errors) intact
+        return (type(self), (self.checkpoint, self.file, self.detail))
 
 
 class CheckpointWarning(UserWarning):
@@ -47,6 +63,8 @@ class CheckpointInfo:
     complete: bool
     problem: str = ""
     commit: Optional[dict[str, Any]] = None
+    damaged: bool = False
+    """A file's bytes differ from its checksums, or .metadata is unreadable (``problem`` says which)."""
 
     @property
     def name(self) -> str:
@@ -59,6 +77,15 @@ class CheckpointInfo:
     @property
     def bytes(self) -> Optional[int]:
         return self.commit.get("bytes") if self.commit else None
+
+    @property
+    def checksums(self) -> Optional[dict[str, Any]]:
+        """``{"algorithm", "block_bytes", "files": {name: [block checksum, ...]}}``; None for a
+        checkpoint saved without them (format 1, or ``--no-checkpoint_checksums``)."""
+        return self.commit.get("checksums") if self.commit else None
+
+    def as_damaged(self, problem: str) -> "CheckpointInfo":
+        return dataclasses.replace(self, complete=False, damaged=True, problem=problem)
 
 
 def inspect_checkpoint(path: str) -> CheckpointInfo:
@@ -95,6 +122,31 @@ def inspect_checkpoint(path: str) -> CheckpointInfo:
     return CheckpointInfo(path, step, True, "", commit)
 
 
+def verify_checkpoint(path: str, threads: int = 8) -> CheckpointInfo:
+    """:func:`inspect_checkpoint`, then every file read back and compared with its checksums
+    (files in parallel); a difference makes the result ``damaged``, naming the file and the
+    bytes. A checkpoint saved without checksums is returned as inspected (``checksums`` None)."""
+    info = inspect_checkpoint(path)
+    recorded = info.checksums
+    if not info.complete or recorded is None:
+        return info
+    block = int(recorded["block_bytes"])
+    if recorded.get("algorithm") != checksum.ALGORITHM:
+        return info.as_damaged(f"{COMMIT_FILE} has checksums of an unknown kind ({recorded.get('algorithm')})")
+    names = sorted(info.commit["files"], key=lambda n: -info.commit["files"][n])  # big files first
+
+    def check(name: str) -> Optional[str]:
+        expected = recorded["files"].get(name)
+        if expected is None:
+            return f"{name}: no checksum in {COMMIT_FILE}"
+        problem = checksum.first_mismatch(storage.join(path, name), expected, block)
+        return f"{name}: {problem}" if problem else None
+
+    with ThreadPoolExecutor(max(1, min(threads, len(names)))) as pool:
+        problems = [p for p in pool.map(check, names) if p]
+    return info.as_damaged("; ".join(problems)) if problems else info
+
+
 def _has_files(path: str) -> bool:
     try:
         return bool(storage.listdir(path))
@@ -112,9 +164,15 @@ def list_checkpoints(root: str) -> list[CheckpointInfo]:
     return [inspect_checkpoint(storage.join(root, name)) for _, name in found]
 
 
-def newest_complete(root: str, warn: bool = True) -> Optional[CheckpointInfo]:
-    """The newest complete checkpoint under ``root``; newer incomplete ones are skipped with
-    a :class:`CheckpointWarning` naming them and the checkpoint used instead."""
+def newest_complete(
+    root: str,
+    warn: bool = True,
+    check: Optional[Callable[[CheckpointInfo], str]] = None,
+    below: Optional[int] = None,
+) -> Optional[CheckpointInfo]:
+    """The newest complete checkpoint under ``root`` (older than step ``below`` if given);
+    newer incomplete ones, and complete ones for which ``check`` returns a problem (damaged),
+    are skipped with a :class:`CheckpointWarning` naming them and the checkpoint used instead."""
     try:
         names = storage.listdir(root)
     except storage.StorageNotFoundError:
@@ -122,21 +180,29 @@ def newest_complete(root: str, warn: bool = True) -> Optional[CheckpointInfo]:
     found = sorted(((int(m.group(1)), n) for n in names if (m := _NAME.match(n))), reverse=True)
     skipped: list[CheckpointInfo] = []
     chosen = None
-    for _, name in found:
+    for step, name in found:
+        if below is not None and step >= below:
+            continue
         info = inspect_checkpoint(storage.join(root, name))
+        problem = check(info) if info.complete and check is not None else ""
+        if problem:
+            info = info.as_damaged(problem)
         if info.complete:
             chosen = info
             break
         skipped.append(info)
     if warn:
         for info in skipped:
-            instead = f"using {chosen.path}" if chosen else "no complete checkpoint before it; starting fresh"
-            warnings.warn(
-                f"skipping incomplete checkpoint {info.path}: {info.problem}; {instead}",
-                CheckpointWarning,
-                stacklevel=2,
-            )
+            warn_skipped(info, chosen, stacklevel=3)
     return chosen
+
+
+def warn_skipped(info: CheckpointInfo, instead: Optional[CheckpointInfo], stacklevel: int = 2) -> None:
+    """The warning for a checkpoint that resuming passes over, naming the one used instead."""
+    using = f"using {instead.path}" if instead else "no complete checkpoint before it; starting fresh"
+    kind = "damaged" if info.damaged else "incomplete"
+    warnings.warn(f"skipping {kind} checkpoint {info.path}: {info.problem}; {using}", CheckpointWarning,
+                  stacklevel=stacklevel + 1)  # fmt: skip
 
 
 def resolve(path: str) -> CheckpointInfo:

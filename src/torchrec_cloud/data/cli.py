@@ -1,8 +1,10 @@
 """``torchrec-cloud data preprocess``: Criteo TSV (plain or .gz, local or in a bucket) to the
-binary shards and manifest that ``train --dataset_path`` reads::
+binary shards and manifest that ``train --dataset_path`` reads; ``data verify``: every shard
+of such a folder read back against the sizes and checksums in its manifest::
 
     torchrec-cloud data preprocess --format kaggle --input train.txt --output /data/kaggle \\
         --num_embeddings 10000000
+    torchrec-cloud data verify s3://bucket/criteo-1tb      # exit 1 naming a damaged shard
 
 Bad flags end with one line naming the flag (exit 2); bad input with ``FILE:LINE: what is
 wrong`` (exit 1). See :mod:`~torchrec_cloud.data.criteo_preprocess` and docs/data.md.
@@ -15,14 +17,13 @@ import sys
 from typing import Any, Optional
 
 from torchrec_cloud import storage
+from torchrec_cloud.config import ConfigError
 from torchrec_cloud.data.criteo_format import CAT_FEATURES
 from torchrec_cloud.data.criteo_parse import PreprocessError
 from torchrec_cloud.data.criteo_preprocess import Options, preprocess
 
 
 def _sizes(ns: argparse.Namespace) -> Optional[list[int]]:
-    from torchrec_cloud.config import ConfigError
-
     if ns.num_embeddings is not None and ns.num_embeddings_per_feature is not None:
         raise ConfigError("num_embeddings", "give --num_embeddings or --num_embeddings_per_feature, not both")
     if ns.num_embeddings_per_feature is not None:
@@ -43,8 +44,6 @@ def _sizes(ns: argparse.Namespace) -> Optional[list[int]]:
 
 
 def cmd_preprocess(ns: argparse.Namespace) -> int:
-    from torchrec_cloud.config import ConfigError
-
     sizes = _sizes(ns)
     if ns.chunk_mb <= 0:
         raise ConfigError("chunk_mb", f"must be > 0, got {ns.chunk_mb}")
@@ -93,6 +92,30 @@ def cmd_preprocess(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(ns: argparse.Namespace) -> int:
+    from torchrec_cloud.data.criteo_format import load_manifest, verify_shards
+
+    try:
+        manifest = load_manifest(ns.path)
+        report = verify_shards(ns.path, manifest)
+    except storage.StorageError as e:
+        print(f"torchrec-cloud data verify: error: {e}", file=sys.stderr)
+        return 1
+    except ConfigError as e:  # no manifest, or not ours: what --dataset_path would say, without the flag
+        print(f"torchrec-cloud data verify: error: {str(e).removeprefix(f'--{e.flag}: ')}", file=sys.stderr)
+        return 1
+    for problem in report["problems"]:
+        print(f"torchrec-cloud data verify: error: {problem}", file=sys.stderr)
+    if report["problems"]:
+        print(f"{len(report['problems'])} of {report['shards']} shards under {ns.path} are damaged or missing; "
+              "preprocess again, or copy them again", file=sys.stderr)  # fmt: skip
+        return 1
+    unchecked = report["shards"] - report["checked"]
+    note = f"; {unchecked} have no checksum in the manifest (sizes checked only)" if unchecked else ""
+    print(f"ok: {report['shards']} shards, {report['bytes']:,} bytes under {ns.path} match their manifest{note}")
+    return 0
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from torchrec_cloud.config import _int_list
 
@@ -132,4 +155,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="gzip files: input lines per shard")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_preprocess)
+    v = sub.add_parser(
+        "verify",
+        help="read every shard back and check its size and checksum against the manifest",
+        description="Check that every shard of a preprocessed folder (local or s3://, gs://, az://) is "
+        "whole and unchanged: its size, and its checksum where the manifest records one. Exit 1 naming "
+        "each damaged or missing shard.",
+    )
+    v.add_argument("path", metavar="DIR_OR_URL", help="a folder written by data preprocess")
+    v.set_defaults(func=cmd_verify)
     return parser

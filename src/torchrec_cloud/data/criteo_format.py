@@ -1,6 +1,8 @@
 """The stored form of preprocessed Criteo data: one fixed-width record per row, and the names
 in its ``manifest.json`` (written by :mod:`~torchrec_cloud.data.criteo_preprocess`, read by
-:mod:`~torchrec_cloud.data.criteo_reader`; docs/data.md describes both).
+:mod:`~torchrec_cloud.data.criteo_reader`; docs/data.md describes both), with the checks of
+a dataset that need no torch: its manifest (:func:`load_manifest`), every shard's size
+(:func:`check_shards`, at open) and checksum (:func:`verify_shards`, ``data verify``).
 
 A row is one little-endian record: the label, the 13 integers as they were in the TSV
 (missing = 0; the reader applies the log transform) and the 26 ids, parsed from hex and
@@ -12,7 +14,14 @@ int64 when no sizes were given::
 
 from __future__ import annotations
 
+import json
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional
+
 import numpy as np
+
+from torchrec_cloud import checksum, storage
+from torchrec_cloud.config import ConfigError
 
 INT_FEATURES = 13
 CAT_FEATURES = 26
@@ -37,3 +46,97 @@ def record_dtype(sparse_dtype: str) -> np.dtype:
         ]
     )
 
+
+def load_manifest(path: str) -> dict:
+    """The manifest of a preprocessed dataset, or a :class:`ConfigError` saying what to do."""
+    url = storage.join(path, MANIFEST)
+    try:
+        manifest = json.loads(storage.read_bytes(url))
+    except storage.StorageNotFoundError as e:
+        hint = (
+            " (an interrupted preprocessing run: run the same command again to finish it)"
+            if _exists(storage.join(path, PLAN))
+            else " (make it with: torchrec-cloud data preprocess --format kaggle|terabyte "
+            f"--input FILES --output {path})"
+        )
+        raise ConfigError("dataset_path", f"{url} not found{hint}") from e
+    except storage.StorageError as e:
+        raise ConfigError("dataset_path", str(e)) from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError("dataset_path", f"{url} is not valid JSON ({e})") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME or manifest.get("version") != FORMAT_VERSION:
+        found = manifest if isinstance(manifest, dict) else {}
+        raise ConfigError(
+            "dataset_path",
+            f"{url} is not a {FORMAT_NAME} v{FORMAT_VERSION} manifest "
+            f"(format {found.get('format')!r}, version {found.get('version')!r})",
+        )
+    return manifest
+
+
+def _exists(path: str) -> bool:
+    try:
+        return storage.exists(path)
+    except storage.StorageError:
+        return False
+
+
+def _shard_sizes(path: str, manifest: dict) -> list[tuple[str, int, Optional[int]]]:
+    """``(url, expected size, actual size or None if missing)`` of every shard, from one
+    listing per folder of shards."""
+    row_bytes = int(manifest["record"]["bytes_per_row"])
+    listed: dict[str, dict[str, int]] = {}
+    out = []
+    for shard in manifest["shards"]:
+        folder, _, name = shard["path"].rpartition("/")
+        if folder not in listed:
+            try:
+                listed[folder] = storage.list_sizes(storage.join(path, *folder.split("/")) if folder else path)
+            except storage.StorageNotFoundError:
+                listed[folder] = {}
+        out.append((storage.join(path, *shard["path"].split("/")), int(shard["rows"]) * row_bytes,
+                    listed[folder].get(name)))  # fmt: skip
+    return out
+
+
+def check_shards(path: str, manifest: dict) -> None:
+    """Raise a :class:`ConfigError` naming the first shard of ``manifest`` that is missing
+    under ``path`` or whose size is not its rows times the record size (a copy cut short)."""
+    for url, expected, actual in _shard_sizes(path, manifest):
+        if actual is None:
+            raise ConfigError("dataset_path", f"{url} is missing (the manifest lists {len(manifest['shards'])} "
+                              "shards); copy the whole folder again, or preprocess again")  # fmt: skip
+        if actual != expected:
+            raise ConfigError("dataset_path", f"{url} has {actual} bytes, the manifest says {expected} "
+                              "(truncated or altered); copy it again, or preprocess again")  # fmt: skip
+
+
+def verify_shards(path: str, manifest: dict, threads: int = 8) -> dict[str, Any]:
+    """Every shard's size and, where the manifest records one, checksum (reads every byte;
+    shards in parallel). Returns ``{"shards", "bytes", "checked", "problems": [...]}``; a
+    problem names the shard."""
+    sized = _shard_sizes(path, manifest)
+    problems = []
+    for url, expected, actual in sized:
+        if actual is None:
+            problems.append(f"{url}: missing")
+        elif actual != expected:
+            problems.append(f"{url}: {actual} bytes, the manifest says {expected} (truncated or altered)")
+
+    def check(item: tuple[tuple[str, int, Optional[int]], dict]) -> Optional[str]:
+        (url, _, _), shard = item
+        _, actual = checksum.file_digest(url)
+        if actual != shard[checksum.ALGORITHM]:
+            return f"{url}: its bytes differ from when it was written ({checksum.ALGORITHM} checksum mismatch)"
+        return None
+
+    todo = [(s, m) for s, m in zip(sized, manifest["shards"])
+            if checksum.ALGORITHM in m and s[2] is not None and s[1] == s[2]]  # fmt: skip
+    with ThreadPoolExecutor(max(1, min(threads, len(todo)))) as pool:
+        problems += [p for p in pool.map(check, todo) if p]
+    return {
+        "shards": len(sized),
+        "bytes": sum(s[1] for s in sized),
+        "checked": len(todo),
+        "problems": problems,
+    }

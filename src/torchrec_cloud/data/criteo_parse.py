@@ -1,7 +1,7 @@
 """Criteo TSV lines to records, a block at a time, vectorised with numpy.
 
 Every input line is ``label \\t 13 integers \\t 26 hexadecimal ids`` (empty fields are
-missing values)::
+missing values), ending in LF or CRLF::
 
     parsed = parse_block(data, sizes, record_dtype("int32"))   # data: whole lines
     parsed.records, parsed.bad_lines, parsed.reasons
@@ -148,7 +148,10 @@ def _parse_numbers(
 
 def parse_block(data: bytes, sizes: Optional[np.ndarray], dtype: np.dtype) -> Parsed:
     """Parse whole lines (``data`` ends with a newline) into records of ``dtype``; ids are
-    taken modulo ``sizes`` when given. Bad lines are left out and listed."""
+    taken modulo ``sizes`` when given. Bad lines are left out and listed. Lines may end in
+    CRLF (Windows): the ``\\r`` before a ``\\n`` is dropped; one anywhere else is a bad line."""
+    if b"\r" in data:
+        data = data.replace(b"\r\n", b"\n")
     buf = np.frombuffer(data, dtype=np.uint8)
     seps = np.flatnonzero((buf == 9) | (buf == 10))
     nl_index = np.flatnonzero(buf[seps] == 10)

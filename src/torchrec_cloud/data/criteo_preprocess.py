@@ -39,7 +39,7 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from torchrec_cloud import storage
+from torchrec_cloud import checksum, storage
 from torchrec_cloud.data.criteo_format import (
     CAT_FEATURES,
     DENSE_NAMES,
@@ -239,13 +239,16 @@ class _Converter:
         records = np.concatenate(self.parts) if self.parts else np.empty(0, self.dtype)
         name = _shard_name(self.opts, task.source, shard)
         target = storage.join(self.opts.output, SHARD_DIR, name)
+        data = records.tobytes()
         if len(records):
-            storage.write_bytes(target, records.tobytes())
+            storage.write_bytes(target, data)
         marker = {
             "shard": name,
             "source": task.source,
             "index": shard,
             "rows": int(len(records)),
+            "bytes": len(data),
+            checksum.ALGORITHM: checksum.digest(data),
             "lines": self.lines,
             "first_line": first_line,
             "start": task.start if task.kind == "range" else None,
@@ -276,9 +279,18 @@ def _marker_path(opts: Options, source: int, shard: int) -> str:
 
 def _load_marker(path: str) -> Optional[dict]:
     try:
-        return json.loads(storage.read_bytes(path))
+        return _read_json(path)
     except storage.StorageNotFoundError:
         return None
+
+
+def _read_json(path: str) -> Any:
+    """A record this command wrote (plan, marker, manifest); damaged bytes are a one-line error."""
+    data = storage.read_bytes(path)
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PreprocessError(f"{path} is damaged (not valid JSON: {e}); delete it, or use another --output") from e
 
 
 def run_task(opts: Options, task: Task) -> list[dict]:
@@ -465,13 +477,21 @@ def _manifest(opts: Options, markers: list[dict]) -> dict:
         "dense_encoding": "raw integers, missing = 0; the reader applies the log transform",
         "num_embeddings_per_feature": opts.num_embeddings_per_feature,
         "sources": sources,
-        "shards": [
-            {"path": f"{SHARD_DIR}/{m['shard']}", "source": m["source"], "rows": m["rows"]}
-            for m in shards
-        ],
+        "shards": [_shard_entry(opts, m) for m in shards],
         "splits": _splits(opts.dataset, opts, shards),
         "created_unix": int(time.time()),
     }
+
+
+def _shard_entry(opts: Options, marker: dict) -> dict:
+    """The manifest's entry of a shard, with its size and checksum (a shard committed by an
+    older version, without them in its marker, is read back to hash it)."""
+    path = f"{SHARD_DIR}/{marker['shard']}"
+    size, digest = marker.get("bytes"), marker.get(checksum.ALGORITHM)
+    if size is None or digest is None:
+        size, digest = checksum.file_digest(storage.join(opts.output, *path.split("/")))
+    return {"path": path, "source": marker["source"], "rows": marker["rows"], "bytes": size,
+            checksum.ALGORITHM: digest}  # fmt: skip
 
 
 def preprocess(opts: Options, workers: int = 0, progress: bool = True) -> Result:
@@ -484,7 +504,7 @@ def preprocess(opts: Options, workers: int = 0, progress: bool = True) -> Result
     plan_path = storage.join(opts.output, PLAN)
     plan = opts.plan()
     if storage.exists(plan_path):
-        old = json.loads(storage.read_bytes(plan_path))
+        old = _read_json(plan_path)
         if old != plan:
             changed = sorted(k for k in set(old) | set(plan) if old.get(k) != plan.get(k))
             raise PreprocessError(
@@ -492,7 +512,7 @@ def preprocess(opts: Options, workers: int = 0, progress: bool = True) -> Result
                 f"({', '.join(changed)}); use another --output or delete that one"
             )
         if storage.exists(storage.join(opts.output, MANIFEST)):
-            manifest = json.loads(storage.read_bytes(storage.join(opts.output, MANIFEST)))
+            manifest = _read_json(storage.join(opts.output, MANIFEST))
             return Result(manifest, time.perf_counter() - t0, len(manifest["shards"]), True)
     else:
         storage.write_bytes(plan_path, json.dumps(plan, indent=1).encode())

@@ -31,7 +31,6 @@ of the training loop, from local disk or through :mod:`torchrec_cloud.storage` f
 
 from __future__ import annotations
 
-import json
 import math
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,50 +46,16 @@ from torchrec_cloud.config import ConfigError, JobConfig
 from torchrec_cloud.data import DataSource
 from torchrec_cloud.data.criteo_format import (
     CAT_FEATURES,
-    FORMAT_NAME,
-    FORMAT_VERSION,
     INT_FEATURES,
-    MANIFEST,
     SPARSE_NAMES,
+    check_shards,
+    load_manifest,
     record_dtype,
 )
 
 SHUFFLE_BLOCK_ROWS = 8192
 WINDOW_ROWS = 1 << 18
 IO_THREADS = 4
-
-
-def load_manifest(path: str) -> dict:
-    """The manifest of a preprocessed dataset, or a :class:`ConfigError` saying what to do."""
-    url = storage.join(path, MANIFEST)
-    try:
-        manifest = json.loads(storage.read_bytes(url))
-    except storage.StorageNotFoundError as e:
-        hint = (
-            " (an interrupted preprocessing run: run the same command again to finish it)"
-            if _exists(storage.join(path, "_plan.json"))
-            else " (make it with: torchrec-cloud data preprocess --format kaggle|terabyte "
-            f"--input FILES --output {path})"
-        )
-        raise ConfigError("dataset_path", f"{url} not found{hint}") from e
-    except storage.StorageError as e:
-        raise ConfigError("dataset_path", str(e)) from e
-    except json.JSONDecodeError as e:
-        raise ConfigError("dataset_path", f"{url} is not valid JSON ({e})") from e
-    if manifest.get("format") != FORMAT_NAME or manifest.get("version") != FORMAT_VERSION:
-        raise ConfigError(
-            "dataset_path",
-            f"{url} is not a {FORMAT_NAME} v{FORMAT_VERSION} manifest "
-            f"(format {manifest.get('format')!r}, version {manifest.get('version')!r})",
-        )
-    return manifest
-
-
-def _exists(path: str) -> bool:
-    try:
-        return storage.exists(path)
-    except storage.StorageError:
-        return False
 
 
 class _Split:
@@ -167,6 +132,7 @@ class CriteoSource(DataSource):
         if self.dtype.itemsize != manifest["record"]["bytes_per_row"]:
             raise ConfigError("dataset_path", f"{path}: record size in the manifest does not match")
         self.shard_urls = [storage.join(path, *s["path"].split("/")) for s in manifest["shards"]]
+        check_shards(path, manifest)  # a missing or truncated shard stops the run here, named
         source_min = [s["dense_min"] for s in manifest["sources"]]
         self.shard_shift = np.array(
             [source_min[s["source"]] - 2 for s in manifest["shards"]], dtype=np.int64
@@ -315,17 +281,32 @@ class CriteoSource(DataSource):
 
     # -- records to a Batch ----------------------------------------------------------------
 
+    def _check_ids(self, ids: np.ndarray) -> None:
+        """Ids reduced at preprocessing fit their tables unless a shard's bytes changed (same
+        size, so not caught at open); such an id would index past its table in the kernel."""
+        outside = (ids < 0) | (ids >= self.table_sizes)
+        if outside.any():
+            row, col = np.argwhere(outside)[0]
+            raise ConfigError(
+                "dataset_path",
+                f"{self.path}: a row has id {ids[row, col]} for {SPARSE_NAMES[col]}, outside its table of "
+                f"{self.table_sizes[col]} rows: a shard is damaged (find it with: torchrec-cloud data verify "
+                f"{self.path})",
+            )
+
     def _batch(self, records: np.ndarray, shift: np.ndarray, key: Optional[tuple[int, int]]) -> Batch:
         b = len(records)
+        ids = records["sparse"].astype(np.int64)
+        if not self.ids_reduced:
+            ids %= self.table_sizes
+        else:
+            self._check_ids(ids)  # before the dense values: a damaged row's make numpy warn
         raw = records["dense"]
         if self.dense_transform == "log1p":
             dense = np.log(np.maximum(raw, 0) + 1, dtype=np.float32)
         else:
             # torchrec.datasets.criteo: x - (file minimum - 2), then log in float32.
             dense = np.log(raw - shift[:, None], dtype=np.float32)
-        ids = records["sparse"].astype(np.int64)
-        if not self.ids_reduced:
-            ids %= self.table_sizes
         ids_t = torch.from_numpy(ids)
         if self.multi_hot_sizes is not None:
             from torchrec_cloud.data.multihot import expand_multi_hot
