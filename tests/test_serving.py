@@ -165,3 +165,32 @@ def test_bad_inputs_get_one_line_and_a_nonzero_exit(run, tmp_path, capsys):
     line = one_line_error(capsys, "predict", str(run / "model"), "--dataset_path", str(bigger), "--output", str(tmp_path / "o.csv"))
     assert "does not fit the model" in line and "4999" in line, line
     assert not (tmp_path / "o.csv").exists()
+
+
+def test_a_raw_tsv_scores_as_the_shards_made_of_it(run, capsys, tmp_path):
+    """The preprocessed file itself, plain and gzipped: the same rows as every split of its
+    shards, so the same AUC and log loss; a malformed line is one line naming FILE:LINE."""
+    import gzip
+
+    def predict(dataset: Path, split: str = "all") -> tuple[int, str, str]:
+        return cli(capsys, "predict", str(run / "model"), "--dataset_path", str(dataset), "--split", split,
+                   "--output", str(tmp_path / "scores.csv"), "--json", "--no_progress", "--batch_size", "999")  # fmt: skip
+
+    rc, out, err = predict(run / "data")
+    assert rc == 0, err
+    shards = json.loads(out)
+    gz = tmp_path / "train.txt.gz"
+    gz.write_bytes(gzip.compress((run / "train.txt").read_bytes()))
+    for raw in (run / "train.txt", gz):
+        rc, out, err = predict(raw)
+        assert rc == 0, err
+        result = json.loads(out)
+        assert (result["rows"], result["split"]) == (7_000, "file")
+        assert result["auc"] == pytest.approx(shards["auc"], abs=1e-9)
+        assert result["logloss"] == pytest.approx(shards["logloss"], rel=1e-9)
+    lines = (run / "train.txt").read_text().splitlines(keepends=True)
+    lines[49] = "1\tnot-a-number" + lines[49][lines[49].index("\t", 2) :]
+    bad = tmp_path / "bad.txt"
+    bad.write_text("".join(lines[:100]))
+    rc, out, err = predict(bad)
+    assert rc == 1 and f"{bad}:50: " in err and len(err.strip().splitlines()) == 1, err

@@ -32,6 +32,7 @@ import multiprocessing as mp
 import os
 import re
 import sys
+import threading
 import time
 import zlib
 from dataclasses import asdict, dataclass
@@ -549,9 +550,11 @@ def preprocess(opts: Options, workers: int = 0, progress: bool = True) -> Result
         finally:
             _progress = None
     else:
-        # fork: workers need nothing the parent has not imported, and spawning would
-        # re-import the command line (torch, torchrec) in every worker.
-        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        # fork: workers need nothing the parent has not imported. Only from a process with
+        # one thread, though: a child forked while another thread (a cloud storage client's
+        # event loop, a test's emulator reader) holds a lock waits on that lock forever.
+        forkable = "fork" in mp.get_all_start_methods() and threading.active_count() == 1
+        ctx = mp.get_context("fork" if forkable else "spawn")
         queue = ctx.Queue()
         with ctx.Pool(workers, initializer=_init_worker, initargs=(queue,)) as pool:
             pending = pool.map_async(_worker, [(opts, t) for t in tasks], chunksize=1)

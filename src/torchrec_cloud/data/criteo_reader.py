@@ -46,6 +46,7 @@ from torchrec_cloud.config import ConfigError, JobConfig
 from torchrec_cloud.data import DataSource
 from torchrec_cloud.data.criteo_format import (
     CAT_FEATURES,
+    INT32_MAX,
     INT_FEATURES,
     SPARSE_NAMES,
     check_shards,
@@ -358,3 +359,73 @@ def build_criteo_source(cfg: JobConfig, rank: int, world_size: int) -> CriteoSou
         multi_hot_sizes=cfg.data.multi_hot_sizes,
         multi_hot_pooling=cfg.data.multi_hot_pooling,
     )
+
+
+class CriteoTSV:
+    """A raw Criteo TSV file (plain or ``.gz``, local or a URL) read as one held-out split
+    (``torchrec-cloud predict`` scores one without preprocessing it first): preprocessing's
+    parser, with the model's table sizes, then the shards' own record-to-batch code, so the
+    rows are exactly what training read from the shards made of this file. With the
+    ``torchrec`` dense transform the file is parsed twice: the log's shift is the file's
+    smallest dense value, which preprocessing records per input file. A malformed line
+    raises :class:`~torchrec_cloud.data.criteo_parse.PreprocessError` naming FILE:LINE."""
+
+    # The shards' conversion of records to a Batch, shared rather than copied.
+    _batch = CriteoSource._batch
+    _check_ids = CriteoSource._check_ids
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        batch_size: int,
+        table_sizes: Sequence[int],
+        dense_transform: str = "torchrec",
+        multi_hot_sizes: Optional[Sequence[int]] = None,
+        multi_hot_pooling: str = "fixed",
+        seed: int = 0,
+    ) -> None:
+        self.path, self.batch_size = path, batch_size
+        self.table_sizes = np.asarray(table_sizes, dtype=np.int64)
+        self.dense_transform = dense_transform
+        self.multi_hot_sizes = list(multi_hot_sizes) if multi_hot_sizes else None
+        self.multi_hot_pooling, self.seed, self.rank = multi_hot_pooling, seed, 0
+        self.ids_reduced = True  # the parser takes ids modulo the table sizes
+        self.dtype = record_dtype("int32" if int(self.table_sizes.max()) <= INT32_MAX + 1 else "int64")
+
+    def _records(self) -> Iterator[np.ndarray]:
+        from torchrec_cloud.data import criteo_preprocess as pre
+        from torchrec_cloud.data.criteo_parse import PreprocessError, parse_block
+
+        if pre._is_gzip(self.path):
+            blocks = pre._gzip_lines(self.path)
+        else:
+            blocks = pre._range_blocks(self.path, 0, storage.size(self.path))
+        line = 0
+        for block in blocks:
+            parsed = parse_block(block, self.table_sizes, self.dtype)
+            if len(parsed.bad_lines):
+                first = int(parsed.bad_lines[0])
+                raise PreprocessError(f"{self.path}:{line + first + 1}: {parsed.reasons.get(first, 'malformed line')}")
+            line += parsed.lines
+            yield parsed.records
+
+    def eval_batches(self, split: str = "all") -> Iterator[tuple[Batch, int]]:
+        """Every row of the file, ``batch_size`` at a time (the last batch is short)."""
+        shift = 0
+        if self.dense_transform != "log1p":
+            lows = [int(r["dense"].min()) for r in self._records() if len(r)]
+            shift = (min(lows) if lows else 0) - 2
+        pending: list[np.ndarray] = []
+        held = 0
+        for records in self._records():
+            pending.append(records)
+            held += len(records)
+            while held >= self.batch_size:
+                rows = np.concatenate(pending)
+                batch, rest = rows[: self.batch_size], rows[self.batch_size :]
+                pending, held = [rest], len(rest)
+                yield self._batch(batch, np.full(len(batch), shift, np.int64), None), len(batch)
+        if held:
+            rows = np.concatenate(pending)
+            yield self._batch(rows, np.full(len(rows), shift, np.int64), None), len(rows)

@@ -4,9 +4,10 @@ exported model, one click probability per row::
     torchrec-cloud predict models/q --dataset_path /data/criteo --split val --output val.csv
     torchrec-cloud predict s3://bucket/models/q --dataset_path s3://bucket/criteo --split test --output test.csv --json
 
-The dataset is a folder or URL of preprocessed shards (``torchrec-cloud data preprocess``;
-run it on a raw Criteo TSV first, with the model's table sizes, so the file is parsed
-exactly as training's data was).
+The dataset is a folder or URL of preprocessed shards (``torchrec-cloud data preprocess``),
+or one raw Criteo TSV file (plain or ``.gz``), scored whole through preprocessing's parser
+with the model's table sizes, so its rows are exactly what training read from shards made
+of it (``--split`` then does not apply).
 Rows are read as training's evaluation reads them and scored with the exported TorchScript
 module, as a server would load it, so on the validation split the AUC and log loss are
 the training run's final validation figures. The last line printed carries them
@@ -47,7 +48,12 @@ def eval_source(cfg: JobConfig, batch_size: int):
         from torchrec_cloud.data.synthetic import SyntheticSource
 
         return SyntheticSource(cfg, 0, 1)
-    from torchrec_cloud.data.criteo_reader import build_criteo_source, load_manifest
+    from torchrec_cloud.data.criteo_reader import CriteoTSV, build_criteo_source, load_manifest
+
+    if is_file(cfg.data.dataset_path):
+        return CriteoTSV(cfg.data.dataset_path, batch_size=batch_size, table_sizes=cfg.model.table_sizes,
+                         dense_transform=cfg.data.dense_transform, multi_hot_sizes=cfg.data.multi_hot_sizes,
+                         multi_hot_pooling=cfg.data.multi_hot_pooling, seed=cfg.data.seed)  # fmt: skip
 
     try:
         load_manifest(cfg.data.dataset_path)
@@ -61,8 +67,26 @@ def eval_source(cfg: JobConfig, batch_size: int):
         raise ServingError(f"{cfg.data.dataset_path} does not fit the model: {str(e).split(': ', 1)[-1]}") from None
 
 
+def is_file(path: str) -> bool:
+    """``path`` names one file (a raw TSV), not a folder of shards."""
+    try:
+        fs, inner = storage.filesystem(path)
+        return bool(fs.isfile(inner))
+    except Exception:  # noqa: BLE001 - unreachable or missing: the shards' reader says which
+        return False
+
+
 def split_batches(source, split: str) -> Iterator[tuple[Any, int]]:
     """``(batch, valid_rows)`` of ``split``; ``all`` is every split the source has, in order."""
+    from torchrec_cloud.data.criteo_parse import PreprocessError
+    from torchrec_cloud.data.criteo_reader import CriteoTSV
+
+    if isinstance(source, CriteoTSV):
+        try:
+            yield from source.eval_batches()
+        except PreprocessError as e:
+            raise ServingError(str(e)) from None
+        return
     names = [s for s in ("train", "val", "test") if s in getattr(source, "splits", ("val", "test"))]
     for name in names if split == "all" else [split]:
         yield from source.eval_batches(name)
@@ -141,6 +165,8 @@ def predict(
     scorer = load_scorer(model_dir)
     source = eval_source(cfg, batch_size)
     (logits,), labels, seconds = score([scorer], split_batches(source, split), None, progress, split_rows(source, split))
+    if type(source).__name__ == "CriteoTSV":  # a raw file, scored whole
+        split = "file"
     probabilities = torch.sigmoid(logits.double())
     table = np.column_stack([probabilities.numpy(), labels.numpy()])
     text = io.BytesIO()
@@ -164,7 +190,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     summary = "score a dataset with an exported model: one click probability per row, AUC and log loss"
     parser = add_command(subparsers, "predict", summary, __doc__, _main)
     parser.add_argument("model_dir", metavar="MODEL_DIR", help="a model directory written by `torchrec-cloud export`")
-    parser.add_argument("--dataset_path", required=True, help="preprocessed shards: a folder or s3://, gs://, az:// URL")
+    parser.add_argument("--dataset_path", required=True,
+                        help="preprocessed shards (a folder or s3://, gs://, az:// URL), or one raw Criteo TSV file")  # fmt: skip
     parser.add_argument("--split", choices=SPLITS, default="val", help="rows to score (all: train, val and test)")
     parser.add_argument("--output", required=True, metavar="FILE", help="CSV to write: probability,label per row")
     parser.add_argument("--batch_size", type=int, default=4096, help="rows scored at a time")
