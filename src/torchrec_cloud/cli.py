@@ -99,14 +99,9 @@ def _summary(name: str) -> str:
 
 def version() -> str:
     """This package's version and the stack's, read from the installed metadata (no imports)."""
-    from importlib import metadata
+    from torchrec_cloud.compat import installed_stack
 
-    found = []
-    for dist in ("torch", "fbgemm-gpu", "fbgemm-gpu-cpu", "torchrec"):
-        try:
-            found.append(f"{dist} {metadata.version(dist)}")
-        except metadata.PackageNotFoundError:
-            pass
+    found = [f"{dist} {v}" for dist, v in installed_stack().items()]
     return f"torchrec-cloud {__version__}" + (f" ({', '.join(found)})" if found else "")
 
 

@@ -45,6 +45,19 @@ class CompatError(RuntimeError):
     fbgemm is not the one ``requirements/stack.txt`` pins (or compat.py needs updating)."""
 
 
+def installed_stack() -> dict[str, str]:
+    """The installed versions of the pinned stack (from package metadata: nothing imported)."""
+    from importlib import metadata
+
+    found = {}
+    for dist in ("torch", "fbgemm-gpu", "fbgemm-gpu-cpu", "torchrec"):
+        try:
+            found[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
 def _resolve(dotted: str) -> Any:
     """``package.module.Attr.attr`` -> the object (the longest importable module prefix)."""
     parts = dotted.split(".")

@@ -473,14 +473,9 @@ def _cache_path(key: str) -> Optional[Path]:
 @lru_cache(maxsize=1)
 def _code_version() -> str:
     """What a cached plan depends on beside its inputs: the pinned stack and our planning code."""
-    from importlib import metadata
+    from torchrec_cloud.compat import installed_stack
 
-    parts = []
-    for dist in ("torch", "torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu"):
-        try:
-            parts.append(f"{dist}={metadata.version(dist)}")
-        except metadata.PackageNotFoundError:
-            pass
+    parts = [f"{dist}={v}" for dist, v in installed_stack().items()]
     here = Path(__file__).parent
     for name in ("plan.py", "distributed.py", "model.py", "config.py"):
         parts.append(hashlib.sha256((here / name).read_bytes()).hexdigest()[:16])
