@@ -35,7 +35,6 @@ class Preemption:
         self.stall_s = stall_s
         self._training = False
         self._last_beat = time.monotonic()
-        self._watchdog: Any = None
         self._previous: Any = None
         self._wakeup: Any = None
         if threading.current_thread() is threading.main_thread():
@@ -77,8 +76,7 @@ class Preemption:
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
         self._wakeup = (read_fd, write_fd, signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False))
-        self._watchdog = threading.Thread(target=self._watch, args=(read_fd,), name="preemption-watchdog", daemon=True)
-        self._watchdog.start()
+        threading.Thread(target=self._watch, args=(read_fd,), name="preemption-watchdog", daemon=True).start()
 
     def _watch(self, read_fd: int) -> None:
         from torchrec_cloud.launch import EXIT_PREEMPTED

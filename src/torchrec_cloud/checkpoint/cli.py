@@ -56,10 +56,15 @@ def checkpoints_of(path: str) -> str:
     return next((c for c in candidates if list_checkpoints(c)), path)
 
 
+def _is_checkpoint(path: str) -> bool:
+    """PATH is one checkpoint (committed, or at least begun by DCP), not a folder of them."""
+    return storage.exists(storage.join(path, COMMIT_FILE)) or storage.exists(storage.join(path, ".metadata"))
+
+
 def _checkpoint_at(path: str) -> str:
     """The checkpoint PATH means: PATH itself when it is one, else the newest complete one
     (or, with none complete, the newest) in the folder of checkpoints it means."""
-    if storage.exists(storage.join(path, COMMIT_FILE)) or storage.exists(storage.join(path, ".metadata")):
+    if _is_checkpoint(path):
         return path
     root = checkpoints_of(path)
     infos = list_checkpoints(root)
@@ -196,8 +201,7 @@ _VERIFY_HELP = "read every byte back against the checksums saved with it (slow);
 
 
 def _verify(ns: argparse.Namespace) -> int:
-    one = storage.exists(storage.join(ns.path, COMMIT_FILE)) or storage.exists(storage.join(ns.path, ".metadata"))
-    infos = [inspect_checkpoint(ns.path)] if one else list_checkpoints(ns.path)
+    infos = [inspect_checkpoint(ns.path)] if _is_checkpoint(ns.path) else list_checkpoints(ns.path)
     if not infos:
         what = "does not exist" if not storage.exists(ns.path) else "holds no checkpoint"
         print(f"torchrec-cloud checkpoint verify: error: {ns.path} {what}", file=sys.stderr)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -34,6 +34,11 @@ MANIFEST = "manifest.json"
 PLAN = "_plan.json"
 SHARD_DIR = "shards"
 INT32_MAX = 2**31 - 1
+
+
+def sparse_dtype_for(sizes: Optional[Sequence[int]]) -> str:
+    """The narrowest id type that holds ids taken modulo ``sizes`` (none: ids kept whole)."""
+    return "int32" if sizes is not None and max(sizes) <= INT32_MAX + 1 else "int64"
 
 
 def record_dtype(sparse_dtype: str) -> np.dtype:

@@ -46,13 +46,13 @@ from torchrec_cloud.data.criteo_format import (
     DENSE_NAMES,
     FORMAT_NAME,
     FORMAT_VERSION,
-    INT32_MAX,
     INT_FEATURES,
     MANIFEST,
     PLAN,
     SHARD_DIR,
     SPARSE_NAMES,
     record_dtype,
+    sparse_dtype_for,
 )
 from torchrec_cloud.data.criteo_parse import BadLineError, PreprocessError, parse_block
 
@@ -133,6 +133,11 @@ def _gzip_lines(path: str) -> Iterator[bytes]:
         raw.close()
 
 
+def line_blocks(path: str) -> Iterator[bytes]:
+    """Blocks of whole lines of one input file, plain or gzip, from start to end."""
+    return _gzip_lines(path) if _is_gzip(path) else _range_blocks(path, 0, storage.size(path))
+
+
 def _split_lines(block: bytes, count: int) -> tuple[bytes, bytes]:
     """The first ``count`` lines of ``block`` and the rest."""
     buf = np.frombuffer(block, dtype=np.uint8)
@@ -174,8 +179,7 @@ class Options:
 
     @property
     def sparse_dtype(self) -> str:
-        sizes = self.num_embeddings_per_feature
-        return "int32" if sizes is not None and max(sizes) <= INT32_MAX + 1 else "int64"
+        return sparse_dtype_for(self.num_embeddings_per_feature)
 
     def plan(self) -> dict[str, Any]:
         """What finished shards depend on. The bad-line policy is not part of it: shards

@@ -46,12 +46,12 @@ from torchrec_cloud.config import ConfigError, JobConfig
 from torchrec_cloud.data import DataSource
 from torchrec_cloud.data.criteo_format import (
     CAT_FEATURES,
-    INT32_MAX,
     INT_FEATURES,
     SPARSE_NAMES,
     check_shards,
     load_manifest,
     record_dtype,
+    sparse_dtype_for,
 )
 
 SHUFFLE_BLOCK_ROWS = 8192
@@ -391,18 +391,14 @@ class CriteoTSV:
         self.multi_hot_sizes = list(multi_hot_sizes) if multi_hot_sizes else None
         self.multi_hot_pooling, self.seed, self.rank = multi_hot_pooling, seed, 0
         self.ids_reduced = True  # the parser takes ids modulo the table sizes
-        self.dtype = record_dtype("int32" if int(self.table_sizes.max()) <= INT32_MAX + 1 else "int64")
+        self.dtype = record_dtype(sparse_dtype_for(self.table_sizes.tolist()))
 
     def _records(self) -> Iterator[np.ndarray]:
-        from torchrec_cloud.data import criteo_preprocess as pre
         from torchrec_cloud.data.criteo_parse import PreprocessError, parse_block
+        from torchrec_cloud.data.criteo_preprocess import line_blocks
 
-        if pre._is_gzip(self.path):
-            blocks = pre._gzip_lines(self.path)
-        else:
-            blocks = pre._range_blocks(self.path, 0, storage.size(self.path))
         line = 0
-        for block in blocks:
+        for block in line_blocks(self.path):
             parsed = parse_block(block, self.table_sizes, self.dtype)
             if len(parsed.bad_lines):
                 first = int(parsed.bad_lines[0])
@@ -416,16 +412,17 @@ class CriteoTSV:
         if self.dense_transform != "log1p":
             lows = [int(r["dense"].min()) for r in self._records() if len(r)]
             shift = (min(lows) if lows else 0) - 2
-        pending: list[np.ndarray] = []
-        held = 0
+
+        def batch(rows: np.ndarray) -> tuple[Batch, int]:
+            return self._batch(rows, np.full(len(rows), shift, np.int64), None), len(rows)
+
+        bs = self.batch_size
+        carry = np.empty(0, self.dtype)  # rows of the last block short of a batch
         for records in self._records():
-            pending.append(records)
-            held += len(records)
-            while held >= self.batch_size:
-                rows = np.concatenate(pending)
-                batch, rest = rows[: self.batch_size], rows[self.batch_size :]
-                pending, held = [rest], len(rest)
-                yield self._batch(batch, np.full(len(batch), shift, np.int64), None), len(batch)
-        if held:
-            rows = np.concatenate(pending)
-            yield self._batch(rows, np.full(len(rows), shift, np.int64), None), len(rows)
+            rows = np.concatenate((carry, records)) if len(carry) else records
+            whole = len(rows) // bs * bs
+            for lo in range(0, whole, bs):
+                yield batch(rows[lo : lo + bs])
+            carry = rows[whole:]
+        if len(carry):
+            yield batch(carry)

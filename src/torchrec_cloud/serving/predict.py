@@ -79,9 +79,8 @@ def is_file(path: str) -> bool:
 def split_batches(source, split: str) -> Iterator[tuple[Any, int]]:
     """``(batch, valid_rows)`` of ``split``; ``all`` is every split the source has, in order."""
     from torchrec_cloud.data.criteo_parse import PreprocessError
-    from torchrec_cloud.data.criteo_reader import CriteoTSV
 
-    if isinstance(source, CriteoTSV):
+    if split == "file":  # a raw TSV, scored whole
         try:
             yield from source.eval_batches()
         except PreprocessError as e:
@@ -155,6 +154,7 @@ def predict(
 ) -> dict[str, Any]:
     """Score ``split`` of ``dataset_path`` with the model in ``model_dir``, write one probability
     per row to ``output`` (CSV: ``probability,label``) and return the metrics."""
+    from torchrec_cloud.data.criteo_reader import CriteoTSV
     from torchrec_cloud.evaluation import binary_metrics
 
     if split not in SPLITS:
@@ -164,9 +164,9 @@ def predict(
     cfg.data.dataset_path = dataset_path
     scorer = load_scorer(model_dir)
     source = eval_source(cfg, batch_size)
-    (logits,), labels, seconds = score([scorer], split_batches(source, split), None, progress, split_rows(source, split))
-    if type(source).__name__ == "CriteoTSV":  # a raw file, scored whole
+    if isinstance(source, CriteoTSV):
         split = "file"
+    (logits,), labels, seconds = score([scorer], split_batches(source, split), None, progress, split_rows(source, split))
     probabilities = torch.sigmoid(logits.double())
     table = np.column_stack([probabilities.numpy(), labels.numpy()])
     text = io.BytesIO()
