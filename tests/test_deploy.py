@@ -129,6 +129,42 @@ def test_submit_without_kubectl_says_so(cli):
     assert "'no-such-kubectl' not found on PATH" in done.stderr
 
 
+def fake_kubectl(folder: Path, server: str) -> Path:
+    """A kubectl whose cluster runs Kubernetes ``server`` (``kubectl version -o json``, as
+    kubectl 1.33 prints it) and whose ``apply`` keeps what it was given."""
+    script = folder / "kubectl"
+    version = json.dumps({"clientVersion": {"major": "1", "minor": "33", "gitVersion": "v1.33.1"},
+                          "serverVersion": {"major": server.split(".")[0], "minor": server.split(".")[1] + "+",
+                                            "gitVersion": f"v{server}.4-eks-1234abc"}})  # fmt: skip
+    script.write_text(
+        "#!/bin/sh\n"
+        f"if [ \"$1\" = version ]; then echo '{version}'; exit 0; fi\n"
+        f"if [ \"$1\" = apply ]; then cat > {folder / 'applied.yaml'}; echo applied; exit 0; fi\n"
+        "exit 1\n"
+    )
+    script.chmod(0o755)
+    return script
+
+
+@pytest.mark.parametrize("launcher, too_old, new_enough", [("job", "1.32", "1.33"), ("trainjob", "1.31", "1.34")])
+def test_submit_refuses_a_cluster_older_than_the_bundle_needs(cli, tmp_path, launcher, too_old, new_enough):
+    """The bundle records the Kubernetes version its objects need (an older API server drops
+    backoffLimitPerIndex without a word); submit compares it with `kubectl version`."""
+    flags = ["submit", "--target", "kubernetes", "--launcher", launcher, "--nodes", "2", "--gpus_per_node", "0",
+             "--image", "registry.example/torchrec-cloud:1"]  # fmt: skip
+    old = fake_kubectl(tmp_path, too_old)
+    done = cli(*flags, "--kubectl", str(old))
+    assert done.returncode == 1 and not (tmp_path / "applied.yaml").exists()
+    (line,) = done.stderr.strip().splitlines()
+    needed = {"job": "1.33", "trainjob": "1.32"}[launcher]
+    assert f"the cluster runs Kubernetes {too_old}, older than the {needed} a --launcher {launcher} job needs" in line
+    fake_kubectl(tmp_path, new_enough)
+    done = cli(*flags, "--kubectl", str(old))
+    assert done.returncode == 0, done.stderr
+    applied = workload(load_documents((tmp_path / "applied.yaml").read_text()))
+    assert applied["metadata"]["annotations"]["torchrec-cloud/min-kubernetes"] == needed
+
+
 def test_submit_refuses_placeholders_one_line_each(cli):
     done = cli("submit", "--target", "kubernetes", "--cloud", "aws", "--nodes", "2", "--kubectl", "no-such-kubectl")
     assert done.returncode == 2
@@ -328,6 +364,8 @@ def test_torchx_component_dry_run(cloud):
     assert role.entrypoint == "bash" and role.num_replicas == 3 and role.resource.gpu == 8
     assert role.args[1].startswith("torchrec-cloud launch ")
     assert "--rdzv_endpoint=$${${rank0_env}:=localhost}:29500" in role.args[1]
-    assert role.env == {**load_profile(cloud).env, "TORCHREC_CLOUD_NODE_RANK": "${replica_id}"}
+    # TorchX's pods get Kubernetes' default grace, and the trainer is told so.
+    assert role.env == {**load_profile(cloud).env, "TORCHREC_CLOUD_NODE_RANK": "${replica_id}",
+                        "TORCHREC_CLOUD_GRACE_S": "30"}
     storage = load_profile(cloud).storage
     assert [(m.src, m.dst_path) for m in role.mounts] == [(storage["claim_name"], storage["mount_path"])]

@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from torchrec_cloud.config import ConfigError
+from torchrec_cloud.deploy import admission
 from torchrec_cloud.deploy.manifests import LAUNCHER_TEMPLATES, load_documents, render_bundle, render_storage
 from torchrec_cloud.deploy.profiles import load_profile, profile_names
 from torchrec_cloud.deploy.spec import DeploySpec, TrainFlagsError
@@ -149,6 +150,7 @@ def test_every_cloud_and_launcher_renders_valid_objects(cloud, launcher, spot):
     assert kinds == ["Namespace", "ServiceAccount", *LAUNCHER_KINDS[launcher], *collector_kinds(cloud, launcher)]
     for doc in docs:
         validate(doc)
+    assert admission.check(docs) == []  # what the API server and the operators' webhooks admit
     text = render_bundle(DeploySpec(cloud=cloud, launcher=launcher, nodes=3, gpus_per_node=8, spot=spot,
                                     checkpoint_url=ckpt))
     profile = load_profile(cloud)
@@ -235,8 +237,15 @@ def test_indexed_job_wiring():
     (term,) = spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert term["topologyKey"] == "kubernetes.io/hostname"
     assert term["labelSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
-    assert c["resources"]["limits"] == {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 4}
+    # Memory capped at the request: a leak is an OOM kill (counted), not a node-pressure
+    # eviction (DisruptionTarget: restarted uncounted).
+    assert c["resources"]["limits"] == {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 4, "memory": "1000Gi"}
+    assert c["resources"]["requests"]["memory"] == "1000Gi"
     assert spec["securityContext"]["runAsNonRoot"] is True
+    # What the pods are told about their grace (not spot: the pod's own), and what the Job needs.
+    assert env["TORCHREC_CLOUD_GRACE_S"]["value"] == str(grace)
+    assert job["metadata"]["annotations"] == {"torchrec-cloud/min-kubernetes": "1.33"}
+    assert flags["--peer_timeout_s"] == "30"
 
 
 def test_pytorchjob_launches_in_container_named_pytorch():
@@ -248,6 +257,9 @@ def test_pytorchjob_launches_in_container_named_pytorch():
     # in-place restarts (OnFailure) would count every preemption against backoffLimit.
     assert worker["restartPolicy"] == "ExitCode"
     assert pj["spec"]["runPolicy"]["cleanPodPolicy"] == "Running"
+    # training-operator v1.9 ignores a backoffLimit >= 1 under ExitCode and fails the job at
+    # the first preemption with 0: none is rendered.
+    assert "backoffLimit" not in pj["spec"]["runPolicy"]
     (c,) = worker["template"]["spec"]["containers"]
     assert c["name"] == "pytorch" and c["command"] == ["torchrec-cloud", "launch"]
     assert c["args"][c["args"].index("-m") + 1 :][:2] == ["torchrec_cloud", "train"]
@@ -315,6 +327,52 @@ def test_trainjob_runs_on_a_runtime_of_its_own_that_restarts_it_after_a_preempti
                                 "rule at index 2") for p in preempted["onJobFailureMessagePatterns"])
     assert refused["action"] == "FailJobSet" and refused["onJobFailureReasons"] == ["PodFailurePolicy"]
     assert policy["maxRestarts"] == 3
+    # JobSet's webhook denies a rule name with a '-': the TrainJob would be accepted and never run.
+    assert all(admission.JOBSET_RULE_NAME.match(rule["name"]) for rule in policy["rules"]), policy["rules"]
+
+
+def test_admission_refuses_what_a_cluster_would_refuse():
+    """The rules of the API server and the operators' webhooks (deploy/admission.py) catch
+    what the schemas let through; render refuses such a bundle in one line naming the flag."""
+    docs = render(cloud="gcp", launcher="trainjob", nodes=2, gpus_per_node=8)
+    assert admission.check(docs) == []
+    rt = by_kind(docs, "TrainingRuntime")
+    rt["spec"]["template"]["spec"]["failurePolicy"]["rules"][1]["name"] = "refused-flags"  # the old bundle's
+    (problem,) = admission.check(docs)
+    assert "'refused-flags' does not match" in str(problem) and "jobset v0.12.0" in problem.source
+
+    # A name within Kubernetes' 63 characters whose generated pods' names are not.
+    name = "a" * 49  # + "-node-0-1-abcde" = 64
+    with pytest.raises(ConfigError, match=r"--name: TrainJob a{49} .*JobSet's pods.*64 characters"):
+        render(cloud="gcp", launcher="trainjob", nodes=2, gpus_per_node=8, name=name)
+    for launcher, generated in (("job", "pod hostname"), ("pytorchjob", "pods' Services")):
+        docs = render(cloud="gcp", launcher=launcher, nodes=2, gpus_per_node=8)
+        for doc in docs:
+            if doc["kind"] in ("Job", "PyTorchJob"):
+                doc["metadata"]["name"] = "b" * 62  # "-1", "-worker-1": past 63
+        problems = [str(p) for p in admission.check(docs)]
+        assert any(generated in p and "more than the 63" in p for p in problems), problems
+    # The torch plugin sets PET_* itself and refuses a TrainJob that does.
+    docs = render(cloud="generic", launcher="trainjob", nodes=2, gpus_per_node=1)
+    by_kind(docs, "TrainJob")["spec"]["trainer"]["env"].append({"name": "PET_NNODES", "value": "2"})
+    assert any("PET_NNODES" in str(p) for p in admission.check(docs))
+
+
+def test_a_spot_job_saves_on_a_clock_and_knows_its_reclaim_grace():
+    for cloud, grace in (("gcp", 15), ("azure", 30), ("aws", 120)):
+        assert load_profile(cloud).reclaim_grace_s() == grace
+        job = by_kind(render(cloud=cloud, launcher="job", nodes=2, gpus_per_node=8, spot=True,
+                             checkpoint_url="s3://b/c"), "Job")  # fmt: skip
+        (c,) = job["spec"]["template"]["spec"]["containers"]
+        assert {e["name"]: e.get("value") for e in c["env"]}["TORCHREC_CLOUD_GRACE_S"] == str(grace)
+        args = c["args"]
+        assert args[args.index("--checkpoint_every_s") + 1] == "600" and "--async_checkpoint" in args
+    # The user's own cadence wins.
+    job = by_kind(render(cloud="gcp", launcher="job", nodes=2, gpus_per_node=8, spot=True, checkpoint_url="s3://b/c",
+                         train_args=["--checkpoint_every_s", "120", "--no-async_checkpoint"]), "Job")  # fmt: skip
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args.count("--checkpoint_every_s") == 1 and args[args.index("--checkpoint_every_s") + 1] == "120"
+    assert "--async_checkpoint" not in args
 
 
 def test_workload_identity_is_an_annotation_not_a_secret():

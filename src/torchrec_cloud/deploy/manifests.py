@@ -8,7 +8,9 @@
     pytorchjob  Namespace, ServiceAccount, Kubeflow v1 PyTorchJob
     trainjob    Namespace, ServiceAccount, Kubeflow Trainer v2 TrainingRuntime + TrainJob
 
-followed by the objects the cluster's metrics collector needs (the profile's ``monitoring``
+Every bundle passes :mod:`torchrec_cloud.deploy.admission` (the API server's and the
+operators' webhooks' rules) before it is returned, and records the versions it needs.
+Followed by the objects the cluster's metrics collector needs (the profile's ``monitoring``
 key picks them from :func:`torchrec_cloud.deploy.monitoring.monitoring_profile`, which also
 gives the pod labels, annotations, metrics container ports and trainer flags)::
 
@@ -43,6 +45,9 @@ JOB_LABEL = "torchrec-cloud/job"
 PLAN_ANNOTATION = "torchrec-cloud/plan"
 # Where the trainer writes metrics.jsonl when no shared file system is mounted.
 LOCAL_OUTPUT_ROOT = "/workspace/runs"
+# The seconds between SIGTERM and SIGKILL a pod can count on (the trainer's
+# --sigterm_grace_s): a spot job's reclaim grace, else its terminationGracePeriodSeconds.
+GRACE_ENV = "TORCHREC_CLOUD_GRACE_S"
 
 
 class _BlockDumper(yaml.SafeDumper):
@@ -104,6 +109,7 @@ LAUNCH_COMMAND = ["torchrec-cloud", "launch"]
 
 def build_context(spec: DeploySpec, profile: Optional[Profile] = None) -> dict[str, Any]:
     """Every value the templates use, computed from the spec and the profile's data."""
+    from torchrec_cloud.deploy.admission import MIN_KUBERNETES_ANNOTATION, MIN_OPERATORS_ANNOTATION, MIN_VERSIONS
     from torchrec_cloud.launch import EXIT_CONFIG, EXIT_PREEMPTED
 
     profile = profile or load_profile(spec.cloud)
@@ -116,10 +122,12 @@ def build_context(spec: DeploySpec, profile: Optional[Profile] = None) -> dict[s
     monitoring = _monitoring(spec, profile, metrics_port)
     volumes, volume_mounts, storage, output_root = _volumes(spec, profile)
     grace = spec.grace_period_s or profile.termination_grace_period_s
-    trainer_args = spec.trainer_args(output_root, monitoring.container_args)
+    # A spot job saves on a clock: a reclaim's grace is too short for a large model's save.
+    spot_args = ["--checkpoint_every_s", str(profile.spot["checkpoint_every_s"]), "--async_checkpoint"] if spec.spot else []
+    trainer_args = spec.trainer_args(output_root, [*monitoring.container_args, *spot_args])
     plan, planned_args = _plan(spec, profile, instance, trainer_args)
     if planned_args:
-        trainer_args = spec.trainer_args(output_root, [*monitoring.container_args, *planned_args])
+        trainer_args = spec.trainer_args(output_root, [*monitoring.container_args, *spot_args, *planned_args])
     launch = _launch_args(spec, profile, grace, trainer_args)
     if identity:
         sa_annotations = {identity["annotation"]: spec.identity or identity["example"]}
@@ -128,6 +136,12 @@ def build_context(spec: DeploySpec, profile: Optional[Profile] = None) -> dict[s
         sa_annotations = {}
         identity_note = "No cloud identity: add your cluster's workload-identity annotation here."
     env = {**profile.env, **(instance.env if instance is not None else {})}
+    env_grace = min(grace, spec.reclaim_grace_s or profile.reclaim_grace_s()) if spec.spot else grace
+    env[GRACE_ENV] = env_grace
+    versions = MIN_VERSIONS[spec.launcher]
+    workload_annotations = {MIN_KUBERNETES_ANNOTATION: versions["kubernetes"]}
+    if versions["operators"]:
+        workload_annotations[MIN_OPERATORS_ANNOTATION] = versions["operators"]
 
     ctx: dict[str, Any] = {
         "spec": spec,
@@ -141,6 +155,7 @@ def build_context(spec: DeploySpec, profile: Optional[Profile] = None) -> dict[s
         "world_size": spec.world_size,
         "common_labels": common_labels,
         "labels": labels,
+        "workload_annotations": workload_annotations,
         "selector": selector,
         "pod_labels": {**labels, **identity.get("pod_labels", {}), **monitoring.pod_labels, **profile.pod_labels},
         "pod_annotations": {**monitoring.pod_annotations, **profile.pod_annotations,
@@ -162,6 +177,7 @@ def build_context(spec: DeploySpec, profile: Optional[Profile] = None) -> dict[s
         "join_timeout_s": profile.rendezvous_join_timeout_s,
         "shutdown_timeout_s": launch["shutdown_timeout_s"],
         "grace_period_s": grace,
+        "env_grace_s": env_grace,
         "metrics_port": metrics_port,
         "monitoring": monitoring,
         "trainer_args": trainer_args,
@@ -254,8 +270,10 @@ def _resources(spec: DeploySpec, profile: Profile, instance) -> dict[str, Any]:
             if rdma:
                 limits.update(instance.rdma_resources)
     if instance is not None and spec.gpus_per_node == instance.gpus:
-        # Whole machines: ask for most of the node so nothing else lands beside the trainer.
+        # Whole machines: ask for most of the node so nothing else lands beside the trainer,
+        # and cap its memory there (a leak is then an OOM kill, not a node-pressure eviction).
         requests.update(instance.requests)
+        limits.update(instance.limits)
     resources: dict[str, Any] = {}
     if requests:
         resources["requests"] = requests
@@ -295,7 +313,8 @@ def _launch_args(spec: DeploySpec, profile: Profile, grace: int, trainer_args: l
     rendezvous, which cannot re-form a group after a restart), so its c10d flags are here."""
     shutdown_timeout = max(grace - profile.shutdown_margin_s, 10)
     timeouts = f"join_timeout={profile.rendezvous_join_timeout_s},read_timeout={profile.rendezvous_join_timeout_s}"
-    restarts = [f"--max_restarts={profile.max_restarts}", f"--shutdown_timeout={shutdown_timeout}"]
+    restarts = [f"--max_restarts={profile.max_restarts}", f"--shutdown_timeout={shutdown_timeout}",
+                f"--peer_timeout_s={profile.peer_timeout_s if spec.peer_timeout_s is None else spec.peer_timeout_s}"]
     train = ["-m", "torchrec_cloud", "train", *trainer_args]
     rendezvous = ["--rdzv_backend=c10d", f"--rdzv_id={spec.name}", f"--rdzv_conf={timeouts}"]
     return {
@@ -349,8 +368,13 @@ def render_documents(spec: DeploySpec, profile: Optional[Profile] = None) -> lis
 
 
 def render_bundle(spec: DeploySpec, profile: Optional[Profile] = None) -> str:
-    """Multi-document YAML for ``kubectl apply -f -``."""
-    return "---\n".join(render_documents(spec, profile))
+    """Multi-document YAML for ``kubectl apply -f -``; raises ``AdmissionError`` (one line
+    naming the flag) for a bundle a cluster would refuse."""
+    from torchrec_cloud.deploy.admission import check_or_raise
+
+    text = "---\n".join(render_documents(spec, profile))
+    check_or_raise(load_documents(text))
+    return text
 
 
 def render_storage(spec: DeploySpec, profile: Optional[Profile] = None) -> Optional[str]:

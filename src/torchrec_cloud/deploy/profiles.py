@@ -47,6 +47,9 @@ class Instance:
     memory: str = ""
     network: str = ""
     requests: dict[str, str] = field(default_factory=dict)
+    limits: dict[str, str] = field(default_factory=dict)
+    """Limits of a whole-machine pod (memory: a leak is then an OOM kill of the container,
+    not a node-pressure eviction, which restarts it uncounted)."""
     extra_resources: dict[str, int] = field(default_factory=dict)
     rdma_resources: dict[str, int] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
@@ -65,6 +68,8 @@ class Profile:
     termination_grace_period_s: int
     shutdown_margin_s: int
     backoff_limit: int
+    peer_timeout_s: int
+    lost_node: dict[str, float]
     metrics_port: int
     monitoring: dict[str, Any]
     shm_size: str
@@ -99,6 +104,11 @@ class Profile:
                 "instance_type", f"profile {self.name!r} has no instance {name!r} (known: {known})"
             )
         return self.instances[name]
+
+    def reclaim_grace_s(self) -> int:
+        """Seconds a spot reclaim leaves a pod before SIGKILL (the kubelet gives a pod the
+        shorter of this and its terminationGracePeriodSeconds)."""
+        return int(self.spot["reclaim_grace_s"])
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -119,7 +119,16 @@ class DeploySpec:
     grace_period_s: Optional[int] = None
     """Seconds between SIGTERM and SIGKILL, for the checkpoint (default: the profile's)."""
     backoff_limit: Optional[int] = None
-    """Pod failures tolerated, preemptions excluded (default: the profile's, per node)."""
+    """Pod failures tolerated, preemptions excluded (default: the profile's, per node; a
+    PyTorchJob has none: docs/deploy.md)."""
+    reclaim_grace_s: Optional[int] = None
+    """With --spot: seconds a reclaim leaves the pods before SIGKILL, which they are told
+    (TORCHREC_CLOUD_GRACE_S) to decide whether a save on SIGTERM fits (default: the profile's
+    spot.reclaim_grace_s)."""
+    peer_timeout_s: Optional[int] = None
+    """Seconds without a peer pod's heartbeat before a pod counts it lost and exits 200 to
+    be started again (launch --peer_timeout_s; default: the profile's; 0: no heartbeats, and
+    a lost peer costs --pg_timeout_s)."""
     train_args: list[str] = field(default_factory=list)
     """Trainer flags, e.g. ['--batch_size', '4096']."""
 
@@ -158,14 +167,18 @@ class DeploySpec:
             )
         if self.backoff_limit is not None and self.backoff_limit < 0:
             raise ConfigError("backoff_limit", f"must be >= 0, got {self.backoff_limit}")
+        if self.reclaim_grace_s is not None and self.reclaim_grace_s < 1:
+            raise ConfigError("reclaim_grace_s", f"must be >= 1 (seconds), got {self.reclaim_grace_s}")
+        if self.peer_timeout_s is not None and self.peer_timeout_s < 0:
+            raise ConfigError("peer_timeout_s", f"must be >= 0 (seconds; 0: no heartbeats), got {self.peer_timeout_s}")
         if self.storage_claim is not None and not _DNS_SUBDOMAIN.match(self.storage_claim):
             raise ConfigError("storage_claim", f"must be a PersistentVolumeClaim name, got {self.storage_claim!r}")
         if self.spot and not self.checkpoint_url and not self._trains_with("--checkpoint_path"):
             raise ConfigError(
                 "checkpoint_url",
                 "--spot needs a checkpoint destination: a reclaimed node's pods resume from the "
-                "checkpoint saved on SIGTERM; pass --checkpoint_url s3://BUCKET/PATH (or a folder on "
-                "the shared file system)",
+                "last checkpoint (--checkpoint_every_s); pass --checkpoint_url s3://BUCKET/PATH (or a "
+                "folder on the shared file system)",
             )
 
     def _trains_with(self, flag: str) -> bool:
@@ -186,15 +199,16 @@ class DeploySpec:
         return getattr(_trainer_parser().parse_args(list(self.train_args)), "prometheus_port", None)
 
     def trainer_args(self, output_root: str, metrics_args: Sequence[str] = ()) -> list[str]:
-        """Flags for ``torchrec-cloud train``: preset, data, checkpoint, output, the pairs of
+        """Flags for ``torchrec-cloud train``: preset, data, checkpoint, output, the flags of
         ``metrics_args`` (the metrics endpoint's ``--prometheus_port``/``--prometheus_linger``
-        from the monitoring profile, the plan's ``--embedding_kernel``), then the user's,
-        which win: a flag the user gives is not added twice.
+        from the monitoring profile, the plan's ``--embedding_kernel``, a spot job's
+        checkpoint cadence), then the user's, which win: a flag the user gives (or its
+        ``--no-`` form) is not added.
         Raises :class:`ConfigError` if the combined flags would not start the trainer.
         """
         known = trainer_flags()
         user = list(self.train_args)
-        user_flags = {a.split("=", 1)[0] for a in user if a.startswith("--")}
+        user_flags = {a.split("=", 1)[0].replace("--no-", "--") for a in user if a.startswith("--")}
         args = ["--preset", self.preset]
         if self.data_url:
             args += ["--dataset_path", self.data_url]
@@ -206,15 +220,25 @@ class DeploySpec:
             args += ["--checkpoint_path", self.checkpoint_url]
         if "--output_dir" not in user_flags:
             args += ["--output_dir", f"{output_root}/{self.name}"]
-        metrics_args = list(metrics_args)
-        for flag, value in zip(metrics_args[::2], metrics_args[1::2]):
-            if flag not in user_flags:
-                args += [flag, value]
+        for group in _flag_groups(list(metrics_args)):
+            if group[0] not in user_flags:
+                args += group
         args += user
         ns = _trainer_parser().parse_args(args)
         cfg = config_from_args(ns)  # raises ConfigError naming the flag for bad values
         cfg.sharding.check_device("cuda" if self.gpus_per_node else "cpu")
         return args
+
+
+def _flag_groups(argv: list[str]) -> list[list[str]]:
+    """``["--a", "1", "--b", "--c", "x"]`` -> ``[["--a", "1"], ["--b"], ["--c", "x"]]``."""
+    groups: list[list[str]] = []
+    for word in argv:
+        if word.startswith("--") or not groups:
+            groups.append([word])
+        else:
+            groups[-1].append(word)
+    return groups
 
 
 def add_spec_flags(

@@ -14,18 +14,23 @@ build the job with the cloud's SDK (extras ``azure``, ``gcp``) and submit it. ``
 prints exactly what would be submitted and touches nothing. A real submission refuses
 what cannot work as it stands (exit 2, one line each): the default image (no registry), a
 profile's example values (account ids, identities, registries, buckets), and a volume the
-bundle mounts but neither creates nor was told exists (``--storage_claim``).
+bundle mounts but neither creates nor was told exists (``--storage_claim``). Before applying,
+``kubernetes`` compares the cluster's version (``kubectl version``) with the one the bundle
+records it needs (``torchrec-cloud/min-kubernetes``, :mod:`.admission`) and refuses an older
+cluster, which would drop the fields it does not know without a word.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import shutil
 import subprocess
 import sys
 import time
 
-from torchrec_cloud.deploy.manifests import JOB_LABEL, render_bundle
+from torchrec_cloud.deploy.manifests import JOB_LABEL, load_documents, render_bundle
 from torchrec_cloud.deploy.profiles import load_profile
 from torchrec_cloud.deploy.spec import DeploySpec, MissingExtraError, add_spec_flags, spec_from_args
 
@@ -83,6 +88,7 @@ def submit_kubernetes(spec: DeploySpec, dry_run: bool, follow: bool, kubectl: st
     if shutil.which(kubectl) is None:
         raise SubmitError(f"{kubectl!r} not found on PATH: install kubectl and point it at your cluster "
                           "(or use --dry-run / torchrec-cloud render)")
+    check_cluster_version(bundle, spec.launcher, kubectl)
     done = subprocess.run(apply_cmd, input=bundle, text=True)
     if done.returncode != 0:
         raise SubmitError(f"kubectl apply failed with exit code {done.returncode}")
@@ -98,6 +104,39 @@ def submit_kubernetes(spec: DeploySpec, dry_run: bool, follow: bool, kubectl: st
         time.sleep(5)
     subprocess.run(wait_cmd)
     return subprocess.run(logs_cmd).returncode
+
+
+def cluster_version(kubectl: str = "kubectl") -> tuple[int, int]:
+    """(major, minor) of the Kubernetes API server kubectl points at."""
+    try:
+        done = subprocess.run([kubectl, "version", "-o", "json"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SubmitError(f"`{kubectl} version` failed: {e}") from e
+    try:
+        git_version = json.loads(done.stdout or "{}").get("serverVersion", {}).get("gitVersion", "")
+    except (ValueError, AttributeError):
+        git_version = ""
+    m = re.match(r"v?(\d+)\.(\d+)", git_version or "")
+    if not m:
+        said = " ".join((done.stderr or done.stdout or "").split())[:300]
+        raise SubmitError(f"`{kubectl} version` reported no server version (exit {done.returncode}: {said}): "
+                          "is kubectl pointed at your cluster?")  # fmt: skip
+    return int(m.group(1)), int(m.group(2))
+
+
+def check_cluster_version(bundle: str, launcher: str, kubectl: str = "kubectl") -> None:
+    """Refuse a cluster older than the Kubernetes version the bundle records it needs."""
+    from torchrec_cloud.deploy.admission import MIN_KUBERNETES_ANNOTATION, MIN_VERSIONS
+
+    needed = next((d["metadata"]["annotations"][MIN_KUBERNETES_ANNOTATION] for d in load_documents(bundle)
+                   if MIN_KUBERNETES_ANNOTATION in (d.get("metadata", {}).get("annotations") or {})), None)  # fmt: skip
+    if needed is None:
+        return
+    have = cluster_version(kubectl)
+    want = tuple(int(x) for x in needed.split(".")[:2])
+    if have < want:
+        raise SubmitError(f"the cluster runs Kubernetes {have[0]}.{have[1]}, older than the {needed} a --launcher "
+                          f"{launcher} job needs ({MIN_VERSIONS[launcher]['why']}); nothing was applied")  # fmt: skip
 
 
 def submit_azureml(spec: DeploySpec, ns: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ import sys
 from typing import Any, Callable
 
 from torchrec_cloud.config import ConfigError, FlagParser
-from torchrec_cloud.deploy.manifests import build_context
+from torchrec_cloud.deploy.manifests import GRACE_ENV, build_context
 from torchrec_cloud.deploy.spec import DeploySpec, MissingExtraError
 
 
@@ -43,6 +43,11 @@ def _mem_mb(quantity: str) -> int:
     return int(m.group(1)) * _UNITS[m.group(2)] // 2**20
 
 
+# TorchX's Kubernetes scheduler (torchx 0.7 kubernetes_scheduler.py) sets no
+# terminationGracePeriodSeconds: its pods get Kubernetes' default, which the trainer is told.
+KUBERNETES_DEFAULT_GRACE_S = 30
+
+
 def build_app(spec: DeploySpec) -> Any:
     """A ``torchx.specs.AppDef`` for the spec, filled from its cloud profile."""
     specs = _torchx_specs()
@@ -50,6 +55,7 @@ def build_app(spec: DeploySpec) -> Any:
     requests = ctx["resources"].get("requests", {})
     limits = dict(ctx["resources"].get("limits", {}))
     limits.pop(ctx["profile"].gpu_resource, None)
+    limits.pop("memory", None)  # the request's, in memMB below
     resource = specs.Resource(
         cpu=int(requests.get("cpu", 1)),
         gpu=spec.gpus_per_node,
@@ -88,7 +94,8 @@ def build_app(spec: DeploySpec) -> Any:
         num_replicas=spec.nodes,
         resource=resource,
         # Replica 0 hosts the c10d store.
-        env={**{e["name"]: e["value"] for e in ctx["env"]}, "TORCHREC_CLOUD_NODE_RANK": specs.macros.replica_id},
+        env={**{e["name"]: e["value"] for e in ctx["env"]}, "TORCHREC_CLOUD_NODE_RANK": specs.macros.replica_id,
+             GRACE_ENV: str(min(int(ctx["env_grace_s"]), KUBERNETES_DEFAULT_GRACE_S))},
         port_map={"c10d": port},
         max_retries=ctx["backoff_limit"],
         mounts=mounts,
