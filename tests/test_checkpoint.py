@@ -107,6 +107,28 @@ def test_async_save_commits_the_same_checkpoint(sync_run, tmp_path, capsys):
     assert code == 0 and "step_00000006" in out and "inspecting the newest complete one" in err, err
 
 
+def test_checkpoints_on_a_clock_end_their_segment_and_resume_exactly(sync_run, tmp_path):
+    """--checkpoint_every_s: every rank ends the step in progress when the clock says so
+    (here after every step: the clock is always due), saves, and goes on; the cuts change
+    nothing trained, and a resume from a checkpoint in mid-segment finishes the same."""
+    _, _, sync_result = sync_run
+    root = tmp_path / "ckpt"
+    flags = ["--num_batches_per_epoch", "6", "--checkpoint_path", str(root), "--checkpoint_keep", "0"]
+    result = train(config(tmp_path / "clock", *flags, "--checkpoint_every_s", "1e-9"))
+    saved = records(tmp_path / "clock", "checkpoint")
+    assert [r["step"] for r in saved] == [1, 2, 3, 4, 5, 6]
+    assert scores(result) == scores(sync_result)  # sync_run: the same 6 steps in 2 segments
+    commit = checkpoint.inspect_checkpoint(str(root / "step_00000004")).commit
+    assert (commit["trainer"]["epoch"], commit["trainer"]["batch"]) == (0, 4)
+    resumed = train(config(tmp_path / "resumed", "--num_batches_per_epoch", "6", "--resume_from",
+                           str(root / "step_00000004")))  # fmt: skip
+    assert records(tmp_path / "resumed", "resume")[0]["step"] == 4
+    assert scores(resumed) == scores(sync_result)
+    # Every start is listed beside the checkpoints: the step it resumed from.
+    lines = (root / "attempts.jsonl").read_text().splitlines()
+    assert [json.loads(line)["resumed_from"] for line in lines] == [0]
+
+
 def test_waiting_for_a_slow_background_save_is_that_saves_stall(tmp_path, monkeypatch):
     """Training that waits at step 6 for step 3's save still being written was stalled by
     step 3's save: its record says so, and step 6's stall stays within its own duration."""

@@ -75,15 +75,16 @@ def test_sigterm_on_one_rank_stops_all_saves_and_resumes_exactly(reference, tmp_
     os.kill(workers[1], signal.SIGTERM)
     output = proc.communicate(timeout=120)[0]
     stopped_after = time.monotonic() - signalled
-    # Not finished: the launcher must not exit 0, and says why in one line.
     assert proc.returncode == EXIT_PREEMPTED, f"exit {proc.returncode} after SIGTERM:\n{output[-4000:]}"
-    assert f"torchrec-cloud launch: the run stopped for a preemption (checkpoint saved where one is configured); exit {EXIT_PREEMPTED}" in output
     assert "Traceback" not in output, output[-4000:]
     assert stopped_after < 30, f"took {stopped_after:.1f}s to stop (Kubernetes' default grace period is 30s)"
 
     records = metrics(out)
     saved = last(records, event="checkpoint")
     assert saved["reason"] == "preempted" and 10 <= saved["step"] < STEPS, saved
+    # Not finished: the launcher must not exit 0, and says in one line what a restart resumes from.
+    assert (f"torchrec-cloud launch: the run stopped for a preemption; exit {EXIT_PREEMPTED}: start the pod again; "
+            f"the next start resumes from checkpoint step {saved['step']} ({saved['path']})") in output  # fmt: skip
     assert last(records, event="end")["preempted"] is True
     assert not [r for r in records if r.get("event") == "eval"], "a preempted run stops without evaluating"
     info = checkpoint.newest_complete(str(out / "ckpt"))

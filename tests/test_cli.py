@@ -106,6 +106,16 @@ def test_launch_refuses_an_abbreviated_torchrun_flag():
     assert proc.returncode == 2 and "--nnode" in proc.stderr, proc.stderr
 
 
+def test_launch_exits_0_only_for_a_finished_run():
+    """torchrun returns normally whenever its workers exit 0; a pod that exits 0 is done for
+    good (an Indexed Job never runs it again), so launch asks the trainer whether the run
+    finished: `train --print_config` exits 0 having trained nothing."""
+    proc = run([PYTHON, "-m", "torchrec_cloud", "launch", "--nproc_per_node=1", "-m", "torchrec_cloud", "train",
+                "--print_config"], timeout=300)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "torchrec-cloud launch: the workers exited without finishing the run" in proc.stderr
+
+
 def test_help_shows_defaults(capsys):
     code, out, _ = cli(capsys, "train", "--help")
     assert code == 0

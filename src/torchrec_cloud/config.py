@@ -66,6 +66,17 @@ def _env_int(flag: str, name: str, default: int) -> int:
         raise ConfigError(flag, f"its default from {name} must be an integer, got {value!r}") from None
 
 
+def _env_seconds(flag: str, name: str) -> Optional[float]:
+    """A duration's default from the environment (unset or empty: none)."""
+    value = os.environ.get(name)
+    if value is None or not value.strip():
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(flag, f"its default from {name} must be a number of seconds, got {value!r}") from None
+
+
 # Numeric precision of the dense compute (``--precision`` of train and bench).
 Precision = Literal["fp32", "tf32", "bf16"]
 
@@ -271,9 +282,19 @@ class TrainConfig:
     """After SIGTERM, a rank that finishes no training step for this many seconds (blocked
     in a collective with a lost or frozen peer) exits without saving, so that a restart is
     not held up until the launcher's SIGKILL; 0: wait for the step however long."""
+    sigterm_grace_s: Optional[float] = field(
+        default_factory=lambda: _env_seconds("sigterm_grace_s", "TORCHREC_CLOUD_GRACE_S")
+    )
+    """Seconds between SIGTERM and SIGKILL this process can count on. On SIGTERM a checkpoint
+    is saved only when the last save's measured time fits in what is left of them;
+    otherwise the run stops at once and the next start resumes from the last checkpoint
+    (default: TORCHREC_CLOUD_GRACE_S, which rendered pods set to their cloud's reclaim
+    grace; unset: always save)."""
 
     def __post_init__(self) -> None:
         _positive("stop_stall_s", self.stop_stall_s, allow_zero=True)
+        if self.sigterm_grace_s is not None:
+            _positive("sigterm_grace_s", self.sigterm_grace_s)
         _positive("num_epochs", self.num_epochs)
         _positive("eval_every", self.eval_every, allow_zero=True)
         _positive("log_every", self.log_every)
@@ -383,6 +404,10 @@ class CheckpointConfig:
     resumes from the newest complete one there. Unset: no checkpoints."""
     checkpoint_interval: int = 0
     """Save every this many steps (0: only at the end and on SIGTERM)."""
+    checkpoint_every_s: float = 0.0
+    """Also save every this many seconds of training (0: off), ending the step in progress
+    on every rank, so that a reclaim loses at most this much work whatever its grace
+    (with --async_checkpoint the write runs beside training)."""
     checkpoint_keep: int = 3
     """Keep the newest this many complete checkpoints, deleting older ones (0: keep all)."""
     resume_from: Optional[str] = None
@@ -394,9 +419,15 @@ class CheckpointConfig:
     checkpoint_checksums: bool = True
     """Record a checksum of every checkpoint file as it is written, and check what a resume
     reads against them (a damaged checkpoint is skipped); off: file sizes only."""
+    no_progress_restarts: int = 3
+    """Give up for good (exit 2) when a start resumes from the same checkpoint step as the
+    previous this many starts: an eviction or crash loop that never saves a newer
+    checkpoint (the starts are listed in attempts.jsonl beside the checkpoints; 0: never)."""
 
     def __post_init__(self) -> None:
         _positive("checkpoint_interval", self.checkpoint_interval, allow_zero=True)
+        _positive("checkpoint_every_s", self.checkpoint_every_s, allow_zero=True)
+        _positive("no_progress_restarts", self.no_progress_restarts, allow_zero=True)
         _positive("checkpoint_keep", self.checkpoint_keep, allow_zero=True)
         for flag in ("checkpoint_path", "resume_from"):
             value = getattr(self, flag)
@@ -411,7 +442,7 @@ class CheckpointConfig:
             except storage.StorageError as e:
                 raise ConfigError(flag, str(e)) from e
         if self.checkpoint_path is None:
-            for flag in ("checkpoint_interval", "async_checkpoint"):
+            for flag in ("checkpoint_interval", "checkpoint_every_s", "async_checkpoint"):
                 if getattr(self, flag):
                     raise ConfigError(flag, "needs --checkpoint_path (where to write checkpoints)")
 

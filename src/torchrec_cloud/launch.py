@@ -8,11 +8,12 @@ and runs torchrun's elastic agent in this process. What it adds is the pod's exi
 which is what Kubernetes acts on (a Job's podFailurePolicy, PyTorchJob's ExitCode restart
 policy, a JobSet's failure policy)::
 
-    0    every worker finished the run: the only way a pod of this job exits 0
-    2    the workers refused their flags or configuration: a retry cannot help
-    200  EXIT_PREEMPTED: the run stopped for a preemption (this pod's SIGTERM, or a peer
-         pod's: every rank finished its step and the checkpoint is saved); start the pod
-         again and it resumes. The workers exit with it too.
+    0    the workers reported the run finished: the only way a pod of this job exits 0
+    2    the workers refused their flags or configuration, or gave up (no progress in
+         --no_progress_restarts starts): a retry cannot help
+    200  EXIT_PREEMPTED: start the pod again: the run stopped for a preemption (this pod's
+         SIGTERM, or a peer pod's), or a peer pod was lost (no heartbeat for
+         --peer_timeout_s); one line names the checkpoint step the next start resumes from
     1    anything else: a worker failed after torchrun's own restarts, or the rendezvous
          failed; one line says which
 
@@ -36,10 +37,14 @@ from it.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
 import tempfile
+import threading
+import time
+from pathlib import Path
 from typing import Optional
 
 EXIT_OK = 0
@@ -48,36 +53,35 @@ EXIT_CONFIG = 2
 EXIT_PREEMPTED = 200
 
 _WHY = {
-    EXIT_PREEMPTED: f"the run stopped for a preemption (checkpoint saved where one is configured); exit "
-    f"{EXIT_PREEMPTED}: started again, the pod resumes",
-    EXIT_CONFIG: f"the workers refused their flags or configuration (the error is above); exit {EXIT_CONFIG}: "
-    "a retry cannot help",
+    EXIT_PREEMPTED: "the run stopped for a preemption",
+    EXIT_CONFIG: f"the workers stopped for good (their error is above); exit {EXIT_CONFIG}: a retry cannot help",
 }
 _PID_ENV = "TORCHREC_CLOUD_LAUNCHER_PID"
 _DIR_ENV = "TORCHREC_CLOUD_LAUNCHER_DIR"
-_OUTCOME = "exit-code"
+PEER_TIMEOUT_ENV = "TORCHREC_CLOUD_PEER_TIMEOUT_S"
+_OUTCOME = "exit-code"  # the code a worker asked for, and why
+_RUN = "run.json"  # written by the trainer when it starts: where its checkpoints go
+_FINISHED = "finished"  # written by the trainer when the run finished
+LOST_PEER = "lost peer"  # how a pod ended for a lost peer starts its reason
 _NODE_RANK_ENVS = ("TORCHREC_CLOUD_NODE_RANK", "JOB_COMPLETION_INDEX", "PET_NODE_RANK", "NODE_RANK")
+DEFAULT_PEER_TIMEOUT_S = 30.0
 
 
 # -- worker side ------------------------------------------------------------------------
 
 
-def end_pod(code: int) -> None:
+def _folder() -> Optional[str]:
+    return os.environ.get(_DIR_ENV) or None
+
+
+def end_pod(code: int, reason: str = "") -> None:
     """Ask the launcher of this node (if any) to stop its workers and exit with ``code``
     instead of restarting them. Call it when the worker is about to exit with ``code``
     for a reason that a restart in place cannot fix. The first worker of a node to call it
     signals; later calls do nothing."""
-    pid, folder = os.environ.get(_PID_ENV), os.environ.get(_DIR_ENV)
-    if not pid or not folder:
+    pid, folder = os.environ.get(_PID_ENV), _folder()
+    if not pid or not folder or not _request(folder, code, reason):
         return
-    try:
-        fd = os.open(os.path.join(folder, _OUTCOME), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        return
-    except OSError:  # the launcher's folder is gone: it is exiting already
-        return
-    with os.fdopen(fd, "w") as f:
-        f.write(str(code))
     # The launcher forwards SIGTERM to its workers while it stops them; this one has
     # finished its work and must get to its own exit.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -87,10 +91,52 @@ def end_pod(code: int) -> None:
         pass
 
 
-def _requested(folder: str) -> Optional[int]:
+def report_run(checkpoint_path: Optional[str]) -> None:
+    """The trainer started: the launcher reads where checkpoints go when it says which one
+    the next start resumes from."""
+    _write(_RUN, json.dumps({"checkpoint_path": checkpoint_path}))
+
+
+def report_finished(step: int) -> None:
+    """The run is finished: the only thing that lets the launcher exit 0."""
+    _write(_FINISHED, json.dumps({"step": step}))
+
+
+def pod_ending() -> Optional[tuple[int, str]]:
+    """(code, reason) when this pod's launcher has decided to end the pod, else None."""
+    folder = _folder()
+    return _requested(folder) if folder else None
+
+
+def _write(name: str, text: str) -> None:
+    folder = _folder()
+    if not folder:
+        return
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(folder, name))
+    except OSError:  # the launcher's folder is gone: it is exiting already
+        pass
+
+
+def _request(folder: str, code: int, reason: str) -> bool:
+    """Record the pod's exit code once; False when one was recorded already."""
+    try:
+        fd = os.open(os.path.join(folder, _OUTCOME), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except OSError:  # recorded already, or the launcher's folder is gone: it is exiting
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{code}\n{reason}")
+    return True
+
+
+def _requested(folder: str) -> Optional[tuple[int, str]]:
     try:
         with open(os.path.join(folder, _OUTCOME)) as f:
-            return int(f.read().strip())
+            code, _, reason = f.read().partition("\n")
+        return int(code.strip()), reason.strip()
     except (OSError, ValueError):
         return None
 
@@ -98,18 +144,145 @@ def _requested(folder: str) -> Optional[int]:
 # -- launcher side ----------------------------------------------------------------------
 
 
+def _node_rank() -> Optional[str]:
+    return next((os.environ[k].strip() for k in _NODE_RANK_ENVS if os.environ.get(k, "").strip()), None)
+
+
 def _set_is_host(args: argparse.Namespace) -> None:
     if args.rdzv_backend != "c10d" or "is_host" in (args.rdzv_conf or ""):
         return
-    rank = next((os.environ[k] for k in _NODE_RANK_ENVS if os.environ.get(k, "").strip()), None)
+    rank = _node_rank()
     if rank is None:
         return
-    conf = f"is_host={int(rank.strip() == '0')}"
+    conf = f"is_host={int(rank == '0')}"
     args.rdzv_conf = f"{args.rdzv_conf},{conf}" if args.rdzv_conf else conf
 
 
 def _say(message: str) -> None:
     print(f"torchrec-cloud launch: {message}", file=sys.stderr, flush=True)
+
+
+class _Pod:
+    """What this launcher knows about its pod: the folder its workers report in, the
+    heartbeats of its peers, and the one decision of its exit code."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.folder = tempfile.mkdtemp(prefix="torchrec-cloud-launch-")
+        self.decided = threading.Lock()
+        self.watch = None
+        nodes = _min_nodes(args.nnodes)
+        if args.rdzv_backend == "c10d" and args.rdzv_endpoint and nodes > 1 and args.peer_timeout_s > 0:
+            from torchrec_cloud.peerwatch import PeerWatch, describe_pod
+
+            self.watch = PeerWatch(args.rdzv_endpoint, nodes, args.peer_timeout_s, describe_pod(_node_rank()),
+                                   on_lost=self.end_for_lost_peer)  # fmt: skip
+
+    def finished(self) -> bool:
+        return os.path.exists(os.path.join(self.folder, _FINISHED))
+
+    def end_for_lost_peer(self, reason: str) -> None:
+        """The peer watch's verdict (its thread): stop the workers and exit 200 now, whatever
+        torchrun's agent is doing (it may be blocked on the lost store for many minutes)."""
+        if not self.decided.acquire(blocking=False):
+            return
+        if self.finished():  # the run is over; the peer left with it
+            self.decided.release()
+            return
+        _request(self.folder, EXIT_PREEMPTED, f"{LOST_PEER}: {reason}")
+        _say(f"{reason}: a peer pod is lost; stopping this pod's workers")
+        _stop_children(grace_s=5.0)
+        _say(f"exit {EXIT_PREEMPTED}: start the pod again; {self.resume_line()}")
+        _remove(self.folder)
+        os._exit(EXIT_PREEMPTED)
+
+    def resume_line(self) -> str:
+        """Which checkpoint the next start of this job resumes from, read from the storage
+        the workers reported (they have stopped: nothing is being committed by this pod)."""
+        try:
+            with open(os.path.join(self.folder, _RUN)) as f:
+                root = json.load(f).get("checkpoint_path")
+        except (OSError, ValueError):
+            return "the workers did not start training: the next start resumes from the newest complete checkpoint, if any"
+        if not root:
+            return "no --checkpoint_path: the next start begins at step 0"
+        found: list = []
+
+        def look() -> None:
+            from torchrec_cloud.checkpoint.store import newest_complete
+
+            try:
+                found.append(newest_complete(root, warn=False))
+            except Exception as e:  # noqa: BLE001 - storage trouble: say so, do not hang the exit
+                found.append(e)
+
+        thread = threading.Thread(target=look, daemon=True)
+        thread.start()
+        thread.join(timeout=15)
+        if not found or isinstance(found[0], Exception):
+            why = f" ({found[0]})" if found else " (the storage did not answer in 15 s)"
+            return f"the next start resumes from the newest complete checkpoint under {root}{why}"
+        if found[0] is None:
+            return f"no complete checkpoint under {root}: the next start begins at step 0"
+        return f"the next start resumes from checkpoint step {found[0].step} ({found[0].path})"
+
+    def decide(self, code: int, why: str) -> int:
+        """The main thread's decision; waits for good when the peer watch has taken it."""
+        self.decided.acquire()
+        if self.watch is not None:
+            self.watch.stop(finished=code == EXIT_OK)
+        if code == EXIT_PREEMPTED:
+            why = f"{why}; exit {EXIT_PREEMPTED}: start the pod again; {self.resume_line()}"
+        _say(why)
+        return code
+
+
+def _min_nodes(nnodes: str) -> int:
+    try:
+        return int(str(nnodes).split(":")[0])
+    except ValueError:
+        return 1
+
+
+def _stop_children(grace_s: float) -> None:
+    """SIGTERM this process's children (the workers), then SIGKILL their process groups (a
+    worker starts a session of its own) after ``grace_s`` or once they have exited."""
+    children = _children(os.getpid())
+    for pid in children:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_running(pid) for pid in children):
+        time.sleep(0.05)
+    for pid in children:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            _signal(pid, signal.SIGKILL)
+
+
+def _children(parent: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                    out.append(int(entry.name))
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def main(argv: list[str]) -> int:
@@ -118,9 +291,13 @@ def main(argv: list[str]) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousConnectionError
 
     parser = torchrun.get_args_parser()
     parser.allow_abbrev = False  # `--nnode=2` is refused, as every flag of ours
+    parser.add_argument("--peer_timeout_s", "--peer-timeout-s", type=float, default=DEFAULT_PEER_TIMEOUT_S,
+                        help="torchrec-cloud: seconds without a peer pod's heartbeat before this pod exits "
+                             f"{EXIT_PREEMPTED} (0: do not watch; default: {DEFAULT_PEER_TIMEOUT_S:g})")  # fmt: skip
     args = parser.parse_args(argv)
     _set_is_host(args)
 
@@ -130,9 +307,12 @@ def main(argv: list[str]) -> int:
     # A pod's first process ignores signals it has no handler for: without this, a SIGTERM
     # during the rendezvous would wait for the SIGKILL at the end of the grace period.
     signal.signal(signal.SIGTERM, terminate)
-    folder = tempfile.mkdtemp(prefix="torchrec-cloud-launch-")
+    pod = _Pod(args)
     os.environ[_PID_ENV] = str(os.getpid())
-    os.environ[_DIR_ENV] = folder
+    os.environ[_DIR_ENV] = pod.folder
+    os.environ[PEER_TIMEOUT_ENV] = str(args.peer_timeout_s)
+    if pod.watch is not None:
+        pod.watch.start()
     try:
         try:
             torchrun.run(args)
@@ -140,40 +320,48 @@ def main(argv: list[str]) -> int:
             # The pod's outcome is decided: a SIGTERM now (the controller deleting the pod)
             # must not turn it into a death by signal.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        return EXIT_OK
+        if pod.finished():
+            return pod.decide(EXIT_OK, "the workers finished the run; exit 0")
+        return pod.decide(EXIT_FAILED, "the workers exited without finishing the run (none reported its end); "
+                                       f"exit {EXIT_FAILED}")  # fmt: skip
     except SignalException as e:
-        requested = _requested(folder)
+        requested = _requested(pod.folder)
         if requested is not None:
-            _say(_WHY.get(requested, f"the workers stopped; exit {requested}"))
-            return requested
+            code, reason = requested
+            return pod.decide(code, reason or _WHY.get(code, f"the workers stopped; exit {code}"))
         name = signal.Signals(e.sigval).name
-        _say(f"{name} received; the workers finished their step and saved a checkpoint where one is "
-             f"configured; exit {EXIT_PREEMPTED} (start the pod again to resume)")  # fmt: skip
-        return EXIT_PREEMPTED
+        return pod.decide(EXIT_PREEMPTED, f"{name} received; the workers stopped")
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
         if codes <= {EXIT_CONFIG, EXIT_PREEMPTED}:
             code = EXIT_CONFIG if EXIT_CONFIG in codes else EXIT_PREEMPTED
-            _say(_WHY[code])
-            return code
+            return pod.decide(code, _WHY[code])
         rank, failure = min(e.failures.items())
-        _say(
-            f"worker rank {rank} failed with exit code {failure.exitcode} after torchrun's restarts "
-            f"(--max_restarts); its error is in the log above; exit {EXIT_FAILED}"
-        )
-        return EXIT_FAILED
+        return pod.decide(EXIT_FAILED, f"worker rank {rank} failed with exit code {failure.exitcode} after torchrun's "
+                                       f"restarts (--max_restarts); its error is in the log above; exit {EXIT_FAILED}")  # fmt: skip
+    except RendezvousClosedError:
+        # Closed by a pod's agent that ended (after its restarts): this pod is not at fault.
+        return pod.decide(EXIT_PREEMPTED, "the rendezvous was closed by a peer pod that ended")
+    except RendezvousConnectionError as e:
+        if pod.watch is not None and pod.watch.reached:  # the store answered before: its host, pod 0, is gone
+            return pod.decide(EXIT_PREEMPTED, f"the rendezvous store (hosted by pod 0) is gone: {_one_line(e)}")
+        return pod.decide(EXIT_FAILED, f"{type(e).__name__}: {_one_line(e)}; exit {EXIT_FAILED}")
     except Exception as e:  # noqa: BLE001 - the rendezvous and the agent: one line, not a traceback
-        _say(f"{type(e).__name__}: {' '.join(str(e).split())[:500]}; exit {EXIT_FAILED}")
-        return EXIT_FAILED
+        return pod.decide(EXIT_FAILED, f"{type(e).__name__}: {_one_line(e)}; exit {EXIT_FAILED}")
     finally:
-        _remove(folder)
+        _remove(pod.folder)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:500]
 
 
 def _remove(folder: str) -> None:
-    try:
-        os.remove(os.path.join(folder, _OUTCOME))
-    except OSError:
-        pass
+    for name in (_OUTCOME, _RUN, _FINISHED):
+        try:
+            os.remove(os.path.join(folder, name))
+        except OSError:
+            pass
     try:
         os.rmdir(folder)
     except OSError:

@@ -1,45 +1,67 @@
-"""SIGTERM -> finish the step, agree on every rank, save a checkpoint, exit EXIT_PREEMPTED.
+"""SIGTERM -> finish the step, agree on every rank, save if the grace allows, exit EXIT_PREEMPTED.
 
 What Kubernetes and the clouds send before a spot or preemptible node goes away is SIGTERM,
-with a grace period. The trainer turns it into a flag that the loop reads between batches::
+with a grace period that may be far too short for a save (GKE gives a reclaimed node's pods
+15 s): the periodic checkpoints (``--checkpoint_every_s``) are the plan, a save on SIGTERM a
+bonus taken only when it fits. The trainer turns SIGTERM into a flag that the loop reads
+between batches::
 
-    preemption = Preemption(checkpoints=checkpoints.enabled)
+    preemption = Preemption(checkpoints=checkpoints.enabled, grace_s=cfg.train.sigterm_grace_s)
     ...                       # train.agreed_batches sets preemption.stop on every rank
+    vote = preemption.save_fits(estimate_s)   # all ranks agree: save, or stop at once
     preemption.close()        # SIGTERM's previous handler back
+
+Under ``torchrec-cloud launch`` a watchdog thread also obeys the launcher at once when it
+ends the pod for a lost peer, and :func:`wait_for_lost_peer` keeps a rank whose collective
+failed from exiting (and using up torchrun's restarts) before the launcher has checked
+whether a peer pod is gone.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import select
 import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Optional
+
+from torchrec_cloud.launch import EXIT_PREEMPTED, LOST_PEER, PEER_TIMEOUT_ENV, pod_ending
+
+# A save on SIGTERM must finish this much sooner than the grace: the estimate is one past
+# save's time, and after the save the ranks still meet once and the processes exit.
+SAVE_MARGIN = 1.25
+TEARDOWN_S = 2.0
 
 
 class Preemption:
-    """SIGTERM -> finish the current step, agree on every rank, save, exit EXIT_PREEMPTED.
+    """SIGTERM -> finish the current step, agree on every rank, save if it fits, exit
+    EXIT_PREEMPTED.
 
     The handler only sets ``requested``; the loop checks it between batches (together with
     the batch-count agreement, one small all-reduce, see ``train.agreed_batches``) and sets
-    ``stop`` on every rank at the same step. Every rank then saves (where checkpoints are
-    on) and exits with ``launch.EXIT_PREEMPTED``, never 0: the run is not finished, and a
-    controller must start it again to resume (docs/checkpoints.md, "Preemption").
+    ``stop`` on every rank at the same step. The ranks then agree whether a save fits in
+    what is left of the grace (:meth:`save_fits`), and every process exits with
+    ``launch.EXIT_PREEMPTED``, never 0: the run is not finished, and a controller must
+    start it again to resume (docs/checkpoints.md, "Preemption").
     """
 
-    def __init__(self, checkpoints: bool = True, stall_s: float = 0.0) -> None:
+    def __init__(self, checkpoints: bool = True, stall_s: float = 0.0, grace_s: Optional[float] = None) -> None:
         self.requested = False  # this process received SIGTERM
         self.stop = False  # every rank agreed to stop
         self.checkpoints = checkpoints
         self.stall_s = stall_s
+        self.grace_s = grace_s
+        self.sigterm_at: Optional[float] = None  # time.monotonic() of the first SIGTERM
         self._training = False
         self._last_beat = time.monotonic()
         self._previous: Any = None
         self._wakeup: Any = None
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handle)
-            if stall_s:
+            if stall_s or _under_launcher():
                 self._start_watchdog()
 
     def training(self, on: bool) -> None:
@@ -53,18 +75,38 @@ class Preemption:
         self._last_beat = time.monotonic()
 
     def _handle(self, signum, frame) -> None:
+        self._note_sigterm()
         if not self.requested:
-            then = (
-                "saving a checkpoint"
-                if self.checkpoints
-                else "stopping (no --checkpoint_path: nothing is saved, a restart begins at step 0)"
-            )
-            print(
-                f"rank {os.environ.get('RANK', '0')}: SIGTERM received; finishing the current step and {then}",
-                file=sys.stderr,
-                flush=True,
-            )
+            if not self.checkpoints:
+                then = "stopping (no --checkpoint_path: nothing is saved, a restart begins at step 0)"
+            elif self.grace_s is not None:
+                then = f"saving a checkpoint if one fits in the {self.grace_s:g} s grace (--sigterm_grace_s)"
+            else:
+                then = "saving a checkpoint"
+            print(f"rank {_rank()}: SIGTERM received; finishing the current step, then {then}", file=sys.stderr,
+                  flush=True)  # fmt: skip
         self.requested = True
+
+    def _note_sigterm(self) -> None:
+        if self.sigterm_at is None:
+            self.sigterm_at = time.monotonic()
+
+    def time_left(self) -> Optional[float]:
+        """Seconds of the grace left before the SIGKILL; None when unknown (no grace given,
+        or no SIGTERM received by this process)."""
+        if self.grace_s is None or self.sigterm_at is None:
+            return None
+        return self.grace_s - (time.monotonic() - self.sigterm_at)
+
+    def save_fits(self, estimate_s: Optional[float]) -> bool:
+        """This rank's vote on saving now that every rank stopped: yes when this process got
+        no SIGTERM or no grace is known, or when a save of ``estimate_s`` seconds (the last
+        one's measured time; None: never measured, nothing to lose) fits in what is left of
+        the grace with a margin (``SAVE_MARGIN``, ``TEARDOWN_S``)."""
+        left = self.time_left()
+        if left is None or estimate_s is None:
+            return True
+        return estimate_s * SAVE_MARGIN + TEARDOWN_S <= left
 
     def _start_watchdog(self) -> None:
         """A rank blocked in a collective with a lost or frozen peer never reaches the
@@ -79,30 +121,27 @@ class Preemption:
         threading.Thread(target=self._watch, args=(read_fd,), name="preemption-watchdog", daemon=True).start()
 
     def _watch(self, read_fd: int) -> None:
-        from torchrec_cloud.launch import EXIT_PREEMPTED
-
         while True:
-            data = os.read(read_fd, 64)
-            if not data:  # closed: training is over
-                os.close(read_fd)
-                return
-            if signal.SIGTERM in data:
-                break
-        # read_fd stays open while the handler may still write to it (a write to a pipe
-        # without a reader makes CPython print an error for each later signal)
-        self.requested = True
-        while not self.stop and self._wakeup is not None:
-            time.sleep(min(1.0, self.stall_s / 10))
-            if self._training and not self.stop and time.monotonic() - self._last_beat > self.stall_s:
+            waiting = bool(self.stall_s and self.requested and not self.stop)
+            ready, _, _ = select.select([read_fd], [], [], min(1.0, self.stall_s / 10) if waiting else None)
+            if ready:
+                data = os.read(read_fd, 64)
+                if not data:  # the write end is closed: training is over
+                    os.close(read_fd)
+                    return
+                if signal.SIGTERM in data:
+                    self._note_sigterm()
+                    _obey_launcher()
+                    self.requested = True
+            if waiting and self._training and time.monotonic() - self._last_beat > self.stall_s:
                 print(
-                    f"rank {os.environ.get('RANK', '0')}: SIGTERM received, but no training step has finished "
+                    f"rank {_rank()}: SIGTERM received, but no training step has finished "
                     f"for {self.stall_s:g} s (a peer lost or frozen?): exiting without a checkpoint; a restart "
                     f"resumes from the last complete one (--stop_stall_s)",
                     file=sys.stderr,
                     flush=True,
                 )
                 os._exit(EXIT_PREEMPTED)
-        os.close(read_fd)
 
     def close(self) -> None:
         if self._previous is not None:
@@ -113,3 +152,52 @@ class Preemption:
             signal.set_wakeup_fd(previous_fd)
             os.close(write_fd)  # the watchdog's read returns empty: it stops waiting
             self._wakeup = None
+
+
+def _rank() -> str:
+    return os.environ.get("RANK", "0")
+
+
+def _under_launcher() -> bool:
+    return bool(os.environ.get("TORCHREC_CLOUD_LAUNCHER_DIR"))
+
+
+def _obey_launcher() -> None:
+    """Exit at once when the launcher ended the pod for a lost peer: the run cannot go on,
+    and this rank may be blocked in a collective that never returns."""
+    ending = pod_ending()
+    if ending is not None and ending[1].startswith(LOST_PEER):
+        print(f"rank {_rank()}: stopping: {ending[1]}", file=sys.stderr, flush=True)
+        os._exit(ending[0])
+
+
+_COLLECTIVE_ERROR = re.compile(r"gloo|nccl|connection (closed|reset|refused)|broken pipe|timed out", re.IGNORECASE)
+
+
+def is_collective_error(error: BaseException) -> bool:
+    """Whether ``error`` came from a collective or the store (a peer's failure shows here)."""
+    import torch.distributed as dist
+
+    return isinstance(error, dist.DistError) or (type(error) is RuntimeError and bool(_COLLECTIVE_ERROR.search(str(error))))
+
+
+def wait_for_lost_peer(error: BaseException) -> None:
+    """A collective failed on this rank. Under ``torchrec-cloud launch`` with peer pods, the
+    failure may be a peer pod's loss, which the launcher detects from its heartbeats within
+    about ``--peer_timeout_s``: wait for its verdict (at most twice that) before the error
+    ends this worker, which torchrun would restart in place, using up ``--max_restarts``.
+    Returns when no verdict came (the error is this job's own: raise it)."""
+    timeout = float(os.environ.get(PEER_TIMEOUT_ENV) or 0)
+    if not _under_launcher() or timeout <= 0 or int(os.environ.get("GROUP_WORLD_SIZE", "1")) <= 1:
+        return
+    if not is_collective_error(error):
+        return
+    text = " ".join(str(error).split())[:200]
+    print(f"rank {_rank()}: a collective failed ({text}); waiting up to {2 * timeout:g} s for the launcher to "
+          "check whether a peer pod is lost", file=sys.stderr, flush=True)  # fmt: skip
+    signal.signal(signal.SIGTERM, lambda signum, frame: _obey_launcher() or os._exit(EXIT_PREEMPTED))
+    deadline = time.monotonic() + 2 * timeout
+    while time.monotonic() < deadline:
+        _obey_launcher()
+        time.sleep(0.2)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -41,10 +41,10 @@ from torchrec_cloud.config import ConfigError, JobConfig, add_config_flags, conf
 from torchrec_cloud.data import DataSource, build_data_source
 from torchrec_cloud.distributed import Env, init_distributed, plan_summary
 from torchrec_cloud.evaluation import evaluate
-from torchrec_cloud.launch import EXIT_OK, EXIT_PREEMPTED, end_pod
+from torchrec_cloud.launch import EXIT_OK, EXIT_PREEMPTED, end_pod, report_finished, report_run
 from torchrec_cloud.metrics import MetricsSink
 from torchrec_cloud.precision import precision_context
-from torchrec_cloud.preemption import Preemption
+from torchrec_cloud.preemption import Preemption, wait_for_lost_peer
 
 
 def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
@@ -59,7 +59,9 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
     sink = build_sinks(cfg, env, train_lines=not bar_shown)
     # Storage access and the checkpoint to resume are checked before anything is built.
     checkpoints = Checkpointer(cfg, env, sink)
-    preemption = Preemption(checkpoints.enabled, cfg.train.stop_stall_s)  # SIGTERM: finish the step, save, stop
+    report_run(checkpoints.root)  # the launcher says which checkpoint a restart resumes from
+    # SIGTERM: finish the step, save if the grace allows, stop
+    preemption = Preemption(checkpoints.enabled, cfg.train.stop_stall_s, cfg.train.sigterm_grace_s)
     from tqdm import tqdm
 
     # -- build -------------------------------------------------------------------------
@@ -88,9 +90,9 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
     last_val: dict[str, float] = {}
     intervals = (cfg.train.eval_every, cfg.checkpoint.checkpoint_interval)
     run_start = time.perf_counter()
-    for epoch, first, last in segments(position, cfg.train.num_epochs, batches_per_epoch, intervals):
+    for epoch, first, last in (plan := Segments(position, cfg.train.num_epochs, batches_per_epoch, intervals)):
         made = source.train_batches_ahead(epoch, first, workers, pin=env.device.type == "cuda")
-        batches = agreed_batches(made, last - first, window, preemption)
+        batches = agreed_batches(made, last - first, window, preemption, checkpoints)
         segment_start = step
         while True:
             t0 = time.perf_counter()
@@ -109,13 +111,13 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
                 bar.set_postfix(loss=f"{record['loss']:.4f}", sps=f"{record['samples_per_s']:.0f}")
                 sink.log(record)
         made.close()  # stops the prefetch thread when the segment ended before the data
-        position = Position.after(step, epoch, first + step - segment_start, batches_per_epoch)
+        done = first + step - segment_start
+        if done < last and not (preemption.stop or checkpoints.cut):
+            done = batches_per_epoch  # a rank ran out of batches: the epoch ends on every rank
+        position = plan.position = Position.after(step, epoch, done, batches_per_epoch)
         if preemption.stop:
-            if env.is_main:
-                then = "saving a checkpoint" if checkpoints.enabled else "nothing is saved (no --checkpoint_path)"
-                print(f"stopping at step {step} on every rank for a preemption (SIGTERM); {then}", file=sys.stderr, flush=True)
             break
-        if last == batches_per_epoch and window.steps:
+        if position.batch == 0 and position.epoch > epoch and window.steps:  # the epoch's end
             sink.log(window.record(step, epoch, env, scheduler.current_lr()))
         if cfg.train.eval_every and step % cfg.train.eval_every == 0:
             last_val = _evaluate(pipeline, source, "val", step, epoch, env, sink, step_context, facts)
@@ -135,8 +137,10 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
 
     # -- save --------------------------------------------------------------------------
     # A run stopped before its first step has nothing new to save (and little grace time).
-    if not (preemption.stop and step == start_step):
-        checkpoints.save(position, dmp, optimizer, scheduler, reason="preempted" if preemption.stop else "end")
+    if not preemption.stop:
+        checkpoints.save(position, dmp, optimizer, scheduler, reason="end")
+    elif step != start_step and _save_on_stop(step, preemption, checkpoints, env):
+        checkpoints.save(position, dmp, optimizer, scheduler, reason="preempted")
     checkpoints.close()
     preemption.close()
     sink.log(_end_record(step, trained_steps, train_seconds, cfg, env, preemption.stop))
@@ -225,46 +229,56 @@ def build_sinks(cfg: JobConfig, env: Env, train_lines: bool = True) -> MetricsSi
     return sink
 
 
-def segments(
-    start: Position, num_epochs: int, batches_per_epoch: int, intervals: tuple[int, ...]
-) -> Iterator[tuple[int, int, int]]:
-    """``(epoch, first, last)`` batch ranges from ``start`` to the end of training, each
+class Segments:
+    """``(epoch, first, last)`` batch ranges from ``position`` to the end of training, each
     ending where the step count reaches a multiple of one of ``intervals`` (evaluation,
-    checkpoints) or at the end of an epoch.
+    checkpoints) or at the end of an epoch. The loop sets ``position`` after each segment,
+    which may have ended early (a time-based checkpoint, see :func:`agreed_batches`): the
+    next one starts there.
 
     The pipeline drains at each boundary, so evaluation and checkpoints see the model after
     exactly the batches before them, with none in flight, and the data position is exact.
     """
-    step, first = start.step, start.batch
-    for epoch in range(start.epoch, num_epochs):
-        while first < batches_per_epoch:
-            last = batches_per_epoch
-            for every in intervals:
+
+    def __init__(self, position: Position, num_epochs: int, batches_per_epoch: int, intervals: tuple[int, ...]) -> None:
+        self.position = position
+        self.num_epochs, self.batches_per_epoch, self.intervals = num_epochs, batches_per_epoch, intervals
+
+    def __iter__(self) -> Iterator[tuple[int, int, int]]:
+        while True:
+            p = Position.after(self.position.step, self.position.epoch, self.position.batch, self.batches_per_epoch)
+            if p.epoch >= self.num_epochs:
+                return
+            last = self.batches_per_epoch
+            for every in self.intervals:
                 if every:
-                    last = min(last, first + every - step % every)
-            yield epoch, first, last
-            step += last - first
-            first = last
-        first = 0
+                    last = min(last, p.batch + every - p.step % every)
+            yield p.epoch, p.batch, last
 
 
-def agreed_batches(batches: Iterator, limit: int, window: "_Window", preemption: Preemption) -> Iterator:
-    """Yield at most ``limit`` batches, stopping on every rank as soon as any rank runs out
-    or any rank received SIGTERM.
+def agreed_batches(batches: Iterator, limit: int, window: "_Window", preemption: Preemption,
+                   checkpoints: Optional[Checkpointer] = None) -> Iterator:  # fmt: skip
+    """Yield at most ``limit`` batches, stopping on every rank as soon as any rank runs out,
+    any rank received SIGTERM, or any rank's clock says a time-based checkpoint is due
+    (``--checkpoint_every_s``: ``checkpoints.cut`` is then set).
 
     Ranks with unequal batch counts would otherwise hang in the embedding all-to-all; one
     tiny all-reduce per batch makes them stop together. The same all-reduce carries the
-    preemption flag, so all ranks stop after the same step and save the same position.
-    The agreement on a batch is started when the batch is fetched, one batch ahead of the
-    one handed to the pipeline, so it completes while a step runs (comm.all_min_async).
+    preemption flag and the checkpoint clock, so all ranks stop after the same step and
+    save the same position. The agreement on a batch is started when the batch is fetched,
+    one batch ahead of the one handed to the pipeline, so it completes while a step runs
+    (comm.all_min_async).
     """
+    clock = checkpoints.time_due if checkpoints is not None else (lambda: False)
 
     def fetch() -> tuple[Any, Any]:
         preemption.beat()
+        if checkpoints is not None:
+            checkpoints.poll()  # a background save commits as soon as it is written
         t0 = time.perf_counter()
         batch = next(batches, None)
         window.data_wait += time.perf_counter() - t0
-        return batch, comm.all_min_async([batch is not None, not preemption.requested])
+        return batch, comm.all_min_async([batch is not None, not preemption.requested, not clock()])
 
     preemption.training(True)
     try:
@@ -275,15 +289,18 @@ def agreed_batches(batches: Iterator, limit: int, window: "_Window", preemption:
             # the same sequence of all-reduces whichever batch they stop at.
             ahead = fetch() if i + 1 < limit else None
             t0 = time.perf_counter()
-            have, go_on = agreement()
+            have, go_on, on_time = agreement()
             window.data_wait += time.perf_counter() - t0
-            if not (have and go_on):
+            on_time = on_time or i == 0  # a segment trains a batch before its time-based save
+            if not (have and go_on and on_time):
                 if ahead is not None:
                     ahead[1]()  # completes on every rank; nothing is left in flight
                 if not have and batch is not None:
                     warnings.warn("another rank ran out of training batches; stopping the epoch on all ranks")
-                if have:
+                if have and not go_on:
                     preemption.stop = True
+                elif have and checkpoints is not None:
+                    checkpoints.cut = True  # the loop saves here and goes on
                 return
             yield batch
     finally:
@@ -331,6 +348,44 @@ class _Window:
         }
         self._reset()
         return record
+
+
+def _save_on_stop(step: int, preemption: Preemption, checkpoints: Checkpointer, env: Env) -> bool:
+    """Every rank stopped at ``step`` for a SIGTERM: all agree to finish a background save in
+    flight, and to save this step, only as far as that fits in what is left of the grace on
+    every rank that got one (the last save's measured time, with a margin), since a save cut
+    short by the SIGKILL saves nothing and leaves the other pods waiting on the killed one.
+    Rank 0 says which checkpoint the next start resumes from."""
+    if not checkpoints.enabled:
+        if env.is_main:
+            print(f"stopping at step {step} on every rank for a preemption (SIGTERM); nothing is saved "
+                  "(no --checkpoint_path): the next start begins at step 0", file=sys.stderr, flush=True)  # fmt: skip
+        return False
+    estimate = checkpoints.save_estimate()
+    saves = 2 if checkpoints.pending else 1  # a save waits for the one in flight first
+    left = preemption.time_left()
+    both, pending_only, left_ms, minus_estimate_ms = comm.all_min([
+        preemption.save_fits(None if estimate is None else estimate * saves),
+        preemption.save_fits(estimate) if checkpoints.pending else 0,
+        int(1e12 if left is None else left * 1000),
+        int(-1000 * (estimate or 0)),
+    ])  # fmt: skip
+    if not both:
+        if pending_only:
+            checkpoints.wait(training_waits=False)
+        else:
+            checkpoints.abandon()  # its write cannot finish in time: the next start does without it
+    if env.is_main:
+        known = f"a save took {-minus_estimate_ms / 1000:.1f} s" if estimate is not None else "no save measured yet"
+        grace = f"{left_ms / 1000:.1f} s of the grace left" if left_ms < 1e12 else "no grace given"
+        if both:
+            then = f"saving checkpoint step {step} ({known}, {grace})"
+        else:
+            last = checkpoints.last_step
+            then = (f"not saving ({known}, {grace}): the next start resumes from "
+                    + (f"checkpoint step {last}" if last is not None else "step 0 (no checkpoint yet)"))  # fmt: skip
+        print(f"stopping at step {step} on every rank for a preemption (SIGTERM); {then}", file=sys.stderr, flush=True)
+    return bool(both)
 
 
 def _evaluate(pipeline, source, split, step, epoch, env, sink, context, facts) -> dict[str, float]:
@@ -405,10 +460,14 @@ def _main(ns: argparse.Namespace) -> int:
         result = run(cfg)
         # A rank that tears down while a peer is still in a collective kills the peer.
         comm.barrier()
+    except RuntimeError as e:
+        wait_for_lost_peer(e)  # a peer pod's loss is the launcher's to report, not a crash
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     if not result["preempted"]:
+        report_finished(result["step"])
         return EXIT_OK
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # done: the launcher's SIGTERM to its workers is moot
     # Not finished: never exit 0 (a pod that does is never started again). The ranks that

@@ -38,8 +38,20 @@ is built: a damaged checkpoint is skipped with a warning naming the file, like a
 incomplete one (with ``--resume_from``, it is an error).
 
 SIGTERM (what Kubernetes and the clouds send before a spot or preemptible node goes
-away) sets a flag; the loop finishes the step in progress, all ranks agree to stop,
-save, and every process exits with ``launch.EXIT_PREEMPTED`` (:mod:`torchrec_cloud.preemption`).
+away) sets a flag; the loop finishes the step in progress, all ranks agree to stop, save
+when the last save's measured time (:meth:`Checkpointer.save_estimate`) fits in what is left
+of the grace, and every process exits with ``launch.EXIT_PREEMPTED``
+(:mod:`torchrec_cloud.preemption`). Since the grace can be far shorter than a save,
+``--checkpoint_every_s`` bounds the work a reclaim loses by saving on a clock.
+
+Every start is listed in ``attempts.jsonl`` beside the checkpoints (the step it resumed
+from); a start that resumes from the same step as the previous ``--no_progress_restarts``
+starts gives up for good (:class:`NoProgressError`, exit 2): an eviction or crash loop that
+never saves anything newer ends instead of running (and costing) forever.
+
+``TORCHREC_CLOUD_TEST_SAVE_DELAY_S`` is for tests only: the time a save is expected to take
+includes that many more seconds, and a save on SIGTERM waits them out, as for a model whose
+save cannot fit a reclaim's grace (periodic saves do not wait).
 
 Users look at checkpoints with ``torchrec-cloud checkpoint ls|inspect`` (:mod:`.cli`).
 """
@@ -50,6 +62,7 @@ import dataclasses
 import datetime
 import json
 import os
+import sys
 import time
 import warnings
 from concurrent.futures import Future
@@ -81,6 +94,10 @@ from torchrec_cloud.checkpoint.store import (
 from torchrec_cloud.compat import already_staged
 from torchrec_cloud.config import ConfigError, JobConfig
 
+ATTEMPTS_FILE = "attempts.jsonl"  # beside the checkpoints: one line per start
+_KEEP_ATTEMPTS = 100
+TEST_SAVE_DELAY_ENV = "TORCHREC_CLOUD_TEST_SAVE_DELAY_S"
+
 if TYPE_CHECKING:  # torch loads only where a command needs it: `checkpoint ls` does not
     import torch
 
@@ -101,6 +118,21 @@ class Position:
         return cls(step, epoch, batch)
 
 
+class NoProgressError(ConfigError):
+    """Starts keep resuming from the same checkpoint: no retry can help (exit 2)."""
+
+    def __init__(self, message: str) -> None:
+        ValueError.__init__(self, message)
+        self.flag = "no_progress_restarts"
+
+
+def _test_save_delay() -> float:
+    try:
+        return max(float(os.environ.get(TEST_SAVE_DELAY_ENV) or 0), 0.0)
+    except ValueError:
+        return 0.0
+
+
 def _one_line(text: str, limit: int = 600) -> str:
     """Service errors carry multi-line bodies (XML, JSON); a start-up error is one line."""
     text = " ".join(text.split())
@@ -116,6 +148,8 @@ def _agree(env, fn: Callable[[], Any], flag: str) -> Any:
     if env.rank == 0:
         try:
             box[0] = ("ok", fn())
+        except NoProgressError as e:
+            box[0] = ("no progress", str(e))
         except ConfigError as e:
             box[0] = ("config", e.flag, str(e).split(": ", 1)[-1])
         except storage.StorageError as e:
@@ -123,6 +157,8 @@ def _agree(env, fn: Callable[[], Any], flag: str) -> Any:
         except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks too
             box[0] = ("error", f"{type(e).__name__}: {e}")
     result = comm.broadcast_object(box[0], src=0)
+    if result[0] == "no progress":
+        raise NoProgressError(result[1])
     if result[0] == "config":
         raise ConfigError(result[1], result[2])
     if result[0] == "error":
@@ -161,11 +197,19 @@ class Checkpointer:
         self._last_step: Optional[int] = None
         self._pending: Optional[_PendingSave] = None
         self._async_group = None
+        self._save_seconds: Optional[float] = None  # the last save's measured time, write included
+        self._clock: Optional[float] = None  # when the time-based cadence last started counting
+        self.cut = False  # set by train.agreed_batches: every rank stopped for a time-based save
         if self.root is not None:
             self._check_writable()
         self.resume_target: Optional[CheckpointInfo] = _agree(env, self._find_resume_target, "checkpoint_path")
         if self.resume_target is not None:
             self._check_compatible(self.resume_target)
+            if self.resume_target.commit is not None:
+                self._save_seconds = self.resume_target.commit.get("seconds")
+        self.last_step: Optional[int] = self.resume_target.step if self.resume_target is not None else None
+        if self.root is not None:
+            _agree(env, self._record_start, "checkpoint_path")
         if self.ck.async_checkpoint and self.root is not None:
             # The background save runs its own collectives; on the training group they
             # would interleave with the training thread's in a different order per rank.
@@ -217,6 +261,39 @@ class Checkpointer:
         if self.root is not None:
             return newest_complete(self.root, check=metadata_problem)
         return None
+
+    def _record_start(self) -> None:
+        """Append this start to ``attempts.jsonl``; refuse it when the previous
+        ``--no_progress_restarts`` starts resumed from the same step (rank 0)."""
+        path = storage.join(self.root, ATTEMPTS_FILE)
+        try:
+            lines = storage.read_bytes(path).decode(errors="replace").splitlines()
+        except storage.StorageNotFoundError:
+            lines = []
+        history = []
+        for line in lines:
+            try:
+                history.append(int(json.loads(line)["resumed_from"]))
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by a kill: the others still count
+        step = (self.resume_target.step or 0) if self.resume_target is not None else 0
+        k = self.ck.no_progress_restarts
+        # The end of a finished run: a start from it only evaluates, however often it runs.
+        finished = self.resume_target is not None and (self.resume_target.commit or {}).get("reason") == "end"
+        if k and not finished and len(history) >= k and all(h == step for h in history[-k:]):
+            raise NoProgressError(
+                f"no progress since step {step} in {k} restarts: the last {k} starts all resumed from "
+                f"{'checkpoint step ' + str(step) if step else 'the beginning'} and none saved a newer "
+                f"checkpoint (an eviction or crash loop; their logs say why); giving up for good. To try "
+                f"again anyway: --no_progress_restarts 0, or remove {path}"
+            )
+        entry = {
+            "resumed_from": step,
+            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "world_size": self.env.world_size,
+        }
+        lines = [*lines[-(_KEEP_ATTEMPTS - 1):], json.dumps(entry)]
+        storage.write_bytes(path, ("\n".join(lines) + "\n").encode())
 
     def _check_compatible(self, info: CheckpointInfo) -> None:
         saved = (info.commit or {}).get("config", {}).get("model")
@@ -300,16 +377,39 @@ class Checkpointer:
     # -- save
 
     def due(self, step: int) -> bool:
+        """Whether to save after ``step``: its interval, or every rank stopped on the clock."""
         every = self.ck.checkpoint_interval
-        return self.enabled and bool(every) and step % every == 0
+        return self.enabled and (self.cut or (bool(every) and step % every == 0))
+
+    def time_due(self) -> bool:
+        """This rank's clock says a ``--checkpoint_every_s`` save is due (the loop agrees on
+        it with every rank, see ``train.agreed_batches``); it starts with training."""
+        every = self.ck.checkpoint_every_s
+        if not (self.enabled and every):
+            return False
+        now = time.monotonic()
+        if self._clock is None:
+            self._clock = now
+        return now - self._clock >= every
+
+    def save_estimate(self) -> Optional[float]:
+        """Seconds a save is expected to take: the last one's (this run's, else the resumed
+        checkpoint's); None when none was ever measured."""
+        if self._save_seconds is None:
+            return None
+        return self._save_seconds + _test_save_delay()
 
     def save(self, position: Position, dmp: torch.nn.Module, optimizer: Any, scheduler: Any, reason: str = "interval") -> None:
         """Write a checkpoint of ``position`` (every rank calls this at the same step, with
         no batch in flight). Sync: returns once it is committed. Async: returns once the
         state is copied; the commit happens when the background write finishes."""
+        self.cut = False
+        self._clock = time.monotonic()
         if not self.enabled or position.step == self._last_step:
             return
         self.wait()  # the previous background save commits first (its stall counts the wait)
+        if reason == "preempted" and _test_save_delay():
+            time.sleep(_test_save_delay())  # tests: a save too large for the grace
         from torch.distributed.checkpoint import async_save, save
 
         from torchrec_cloud import comm
@@ -345,6 +445,7 @@ class Checkpointer:
             raise CheckpointError(f"cannot save checkpoint {path}: {e}") from e
         comm.barrier()
         seconds = time.perf_counter() - start
+        self._saved(position.step, seconds)
         self._commit(path, files, trainer, seconds, seconds, reason, is_async=False)
 
     def poll(self) -> None:
@@ -365,6 +466,7 @@ class Checkpointer:
             raise CheckpointError(f"background save of {pending.path} failed: {e}") from e
         now = time.perf_counter()
         stall = pending.stall + (now - blocked if training_waits else 0.0)
+        self._saved(pending.trainer["step"], now - pending.start)
         # Rank 0 coordinates DCP's save: its future resolves only after every rank's
         # shards and the .metadata index are written, so it may commit without a barrier.
         self._commit(pending.path, pending.writer, pending.trainer, now - pending.start, stall, pending.reason,
@@ -372,6 +474,24 @@ class Checkpointer:
 
     def close(self) -> None:
         self.wait(training_waits=False)  # training is over: waiting for the write stalls no step
+
+    @property
+    def pending(self) -> bool:
+        """A background save is being written."""
+        return self._pending is not None
+
+    def abandon(self) -> None:
+        """Give up a background save in flight (the process is about to exit before it could
+        finish): it is never committed, so no start ever sees it."""
+        if self._pending is not None and self.env.is_main:
+            print(f"the background save of {self._pending.path} cannot finish before the SIGKILL: not committed",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        self._pending = None
+
+    def _saved(self, step: int, seconds: float) -> None:
+        """Every rank measures its own saves: any of them may be the one a SIGTERM reaches."""
+        self._save_seconds = seconds
+        self.last_step = step
 
     def _commit(self, path: str, files_writer: Any, trainer: dict, seconds: float, stall: float, reason: str,
                 is_async: bool) -> None:  # fmt: skip

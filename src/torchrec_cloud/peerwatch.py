@@ -1,0 +1,174 @@
+"""Lost peers: every pod's launcher beats in the job's rendezvous store and watches the others'.
+
+A pod whose node is reclaimed without notice, powered off or cut from the network sends
+nothing: no TCP reset reaches its peers, whose collectives then wait ``--pg_timeout_s``
+(30 minutes) and fail, which every controller counts as a crash. A pod that is killed
+does send resets, and its peers' collectives fail at once, but then torchrun restarts the
+survivors' workers in place, using up ``--max_restarts`` (which never resets) and waiting
+in a rendezvous for a pod the controller replaces only later. So ``torchrec-cloud launch``
+(:mod:`torchrec_cloud.launch`) runs a :class:`PeerWatch` beside torchrun's agent::
+
+    watch = PeerWatch("pod0:29500", nodes=4, timeout_s=30, describe="node rank 2", on_lost=end_pod)
+    watch.start()
+    ...                     # torchrun's agent runs the workers
+    watch.stop(finished=True)
+
+Every launcher adds 1 to a counter of its own in the rendezvous store every
+``timeout_s / 6`` seconds and reads every other launcher's. Once all ``nodes`` have
+registered (the group formed), a peer whose counter has not moved for ``timeout_s``
+seconds, or a store that has not answered for ``timeout_s`` seconds after it first did
+(pod 0, which hosts it, is gone), is a lost peer: ``on_lost`` ends this pod with
+``EXIT_PREEMPTED``, so that every surviving pod is started again by its controller
+without counting a failure and without spending torchrun's restarts. A launcher that
+leaves after a finished run marks its counter ``left:0``, which is never a loss.
+
+Why heartbeats of the launchers, through this store (docs/deploy.md, "Lost nodes"):
+
+- the launcher is the pod's first process and lives as long as the pod, whatever its
+  workers do (a long save, an evaluation, a restart): a beat means "this pod is alive",
+  not "its step is fast", so the timeout can be short without false alarms, which a
+  collective timeout (it must cover the slowest legitimate wait) cannot be;
+- the store is where the pods already meet (torchrun's c10d rendezvous, hosted by pod 0's
+  launcher): no new port or service, and losing pod 0 shows as the store not answering;
+- torchrun's own rendezvous heartbeats only act at the next rendezvous, which a worker
+  blocked in a collective never reaches.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from datetime import timedelta
+from typing import Callable, Optional
+
+PREFIX = "torchrec-cloud/peers/"
+REGISTRY = PREFIX + "registry"
+LEFT_FINISHED = b"left:0"
+
+
+class PeerWatch:
+    """The heartbeat of one launcher (module docstring). Two threads: one talks to the store
+    (an operation on a frozen store host blocks for good: TCPStore's timeout bounds waits
+    for keys, not a request nobody answers), one judges from what the first last heard."""
+
+    def __init__(self, endpoint: str, nodes: int, timeout_s: float, describe: str,
+                 on_lost: Callable[[str], None]) -> None:  # fmt: skip
+        host, _, port = endpoint.rpartition(":")
+        self.host, self.port = host.strip("[]"), int(port)
+        self.endpoint = endpoint
+        self.nodes = nodes
+        self.timeout_s = timeout_s
+        self.on_lost = on_lost
+        self.id = uuid.uuid4().hex[:12]
+        self.describe = describe
+        self.key = PREFIX + self.id
+        self.interval_s = max(timeout_s / 6, 0.1)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._store = None
+        self._last_answer: Optional[float] = None  # when the store last answered; None until it first did
+        self._peers: dict[str, str] = {}  # every launcher registered: id -> description
+        self._seen: dict[str, tuple[bytes, float]] = {}  # peer -> (its counter, when it last changed)
+        self._replaced = False  # the store answering now is not the one the pods met in
+
+    @property
+    def reached(self) -> bool:
+        """The store has answered at least once (the pods met there)."""
+        return self._last_answer is not None
+
+    def start(self) -> None:
+        threading.Thread(target=self._beat, name="torchrec-cloud-peer-beat", daemon=True).start()
+        threading.Thread(target=self._judge, name="torchrec-cloud-peer-watch", daemon=True).start()
+
+    def stop(self, finished: bool = False) -> None:
+        """Stop watching; after a finished run, tell the peers this pod left on purpose (if
+        the store still answers within a second)."""
+        self._stop.set()
+        store = self._store
+        if finished and store is not None:
+            done = threading.Thread(target=self._leave, args=(store,), daemon=True)
+            done.start()
+            done.join(timeout=1.0)
+
+    def _leave(self, store) -> None:
+        try:
+            store.set(self.key, LEFT_FINISHED)
+        except Exception:  # noqa: BLE001 - pod 0 may have left already; nobody is waiting then
+            pass
+
+    def _connect(self):
+        from torch.distributed import TCPStore
+
+        store = TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
+                         timeout=timedelta(seconds=max(self.timeout_s, 1.0)))  # fmt: skip
+        if store.add(self.key, 1) == 1 and self._last_answer is not None:
+            # A store that never heard of this pod: pod 0 was replaced, the group it hosted
+            # is gone. This pod must not join the new one as if it were still in it.
+            self._replaced = True
+            raise ConnectionError("a new rendezvous store")
+        store.append(REGISTRY, f"{self.id}\t{self.describe}\n")
+        return store
+
+    def _beat(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if self._store is None:
+                    self._store = self._connect()
+                store = self._store
+                store.add(self.key, 1)
+                peers = _registry(store.get(REGISTRY))
+                values = store.multi_get([PREFIX + p for p in peers])
+            except Exception:  # noqa: BLE001 - the connection broke: connect again; the judge counts
+                self._store = None
+                self._stop.wait(self.interval_s)
+                continue
+            now = time.monotonic()
+            with self._lock:
+                self._last_answer = now
+                self._peers.update(peers)
+                for peer, value in zip(peers, values):
+                    before = self._seen.get(peer)
+                    if before is None or before[0] != value:
+                        self._seen[peer] = (value, now)
+            self._stop.wait(self.interval_s)
+
+    def _judge(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            reason = self._verdict(time.monotonic())
+            if reason and not self._stop.is_set():
+                self.on_lost(reason)
+                return
+
+    def _verdict(self, now: float) -> Optional[str]:
+        with self._lock:
+            if self._last_answer is None:
+                return None  # not reached yet: torchrun's join timeout governs the rendezvous
+            if self._replaced:
+                return f"pod 0, which hosted the rendezvous store at {self.endpoint}, was replaced"
+            if now - self._last_answer >= self.timeout_s:
+                return (f"the rendezvous store at {self.endpoint} (hosted by pod 0) has not answered for "
+                        f"{self.timeout_s:g} s")  # fmt: skip
+            if len(self._peers) < self.nodes:
+                return None  # the group has not formed yet
+            for peer, (value, since) in self._seen.items():
+                if peer != self.id and value != LEFT_FINISHED and self._last_answer - since >= self.timeout_s:
+                    return f"the pod of {self._peers.get(peer, peer)} has sent no heartbeat for {self.timeout_s:g} s"
+        return None
+
+
+def describe_pod(node_rank: Optional[str]) -> str:
+    """How a pod is named in the lines its peers print."""
+    host = socket.gethostname()
+    return f"node rank {node_rank} ({host}, pid {os.getpid()})" if node_rank is not None else f"{host} (pid {os.getpid()})"
+
+
+def _registry(raw: bytes) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in raw.decode(errors="replace").splitlines():
+        peer, _, describe = line.partition("\t")
+        if peer:
+            out[peer] = describe or peer
+    return out
