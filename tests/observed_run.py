@@ -9,7 +9,9 @@ stopped after its test.
 from __future__ import annotations
 
 import json
+import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -159,21 +161,25 @@ def free_port_pair() -> int:
 
 def observed_run(tmp_path_factory) -> ObservedRun:
     """Train 80 steps of a tiny planted-data model on 2 ranks (torchrun, gloo) with
-    ``--prometheus_port``; a Prometheus server scrapes both ranks' endpoints 4x a second."""
+    ``--prometheus_port``; a Prometheus server scrapes both ranks' endpoints 4x a second.
+
+    The endpoints stay up after training (``--prometheus_linger``), as a collector's last
+    scrape needs them to, until Prometheus has stored the run's last step and last
+    evaluation from both ranks: what a user sees at the end, whatever the machine's speed
+    (a fast run may end before its first scrape). The run is then stopped."""
     if "run" in _cache:
         return _cache["run"]
     work = tmp_path_factory.mktemp("observed")
     binary = prometheus_binary()
     metrics_port = free_port_pair()
     out = work / "run"
-    # Scraped 4 times a second, so that a run of a few seconds on a fast machine still
-    # leaves several samples.
     targets = [f"127.0.0.1:{metrics_port}", f"127.0.0.1:{metrics_port + 1}"]
     with PrometheusServer(
         binary, work / "prometheus", PrometheusServer.static_config(targets, interval="250ms"),
     ) as server:
         start = time.time()
-        r = subprocess.run(
+        log = open(work / "train.log", "w")
+        proc = subprocess.Popen(
             [
                 sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                 "-m", "torchrec_cloud", "train", "--synthetic", "planted",
@@ -181,16 +187,47 @@ def observed_run(tmp_path_factory) -> ObservedRun:
                 "--num_batches_per_epoch", "80", "--log_every", "4", "--eval_every", "40",
                 "--num_eval_batches", "1", "--no-progress", "--output_dir", str(out),
                 "--prometheus_port", str(metrics_port), "--metrics_host", "127.0.0.1",
-                "--system_metrics_interval", "0.25",
+                "--system_metrics_interval", "0.25", "--prometheus_linger", "600",
             ],
-            capture_output=True, text=True, timeout=600,
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "PYTHONPATH": str(REPO / "src")},
         )
-        if r.returncode != 0:
-            pytest.fail(f"the training run failed:\n{r.stderr[-3000:]}")
+        try:
+            _wait_for_the_last_scrape(server, out, proc, work / "train.log")
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)  # lingering for the scrapes only
+            proc.wait()
+            log.close()
         end = time.time()
         window = int(end - start) + 5
         samples = {m: server.samples(m, end, window) for m in SCRAPED}
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = _records(out)
     _cache["run"] = ObservedRun(out, records, start, end, samples, targets)
     return _cache["run"]
+
+
+def _records(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def _wait_for_the_last_scrape(server: PrometheusServer, out: Path, proc: subprocess.Popen, log: Path) -> None:
+    """Until both ranks' endpoints have been scraped since the run logged its end: the last
+    step and the last validation AUC (a generous deadline only stops a hang)."""
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the training run ended (exit {proc.returncode}) before its lingering endpoints were "
+                        f"scraped:\n{log.read_text()[-3000:]}")  # fmt: skip
+        records = _records(out)
+        if any(r.get("event") == "end" for r in records):
+            step = [r for r in records if r.get("event") == "train"][-1]["step"]
+            auc = [r for r in records if r.get("event") == "eval" and r["split"] == "val"][-1]["auc"]
+            steps = {r["metric"]["rank"]: float(r["value"][1]) for r in server.api("query", query="torchrec_train_step")["result"]}
+            aucs = [float(r["value"][1]) for r in server.api("query", query='torchrec_eval_auc{split="val"}')["result"]]
+            if steps == {"0": step, "1": step} and len(aucs) == 2 and all(math.isclose(a, auc, rel_tol=1e-9) for a in aucs):
+                return
+        time.sleep(0.25)
+    pytest.fail("Prometheus never stored the run's last step and evaluation from both ranks")
