@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 from torchrec_cloud import storage
@@ -26,10 +25,10 @@ from torchrec_cloud.checkpoint.store import (
     COMMIT_FILE,
     CheckpointError,
     CheckpointInfo,
+    checkpoints_of,
     inspect_checkpoint,
     list_checkpoints,
 )
-from torchrec_cloud.metrics.run_folder import METRICS_FILE, last_run
 
 
 def _human(n: Optional[int]) -> str:
@@ -41,19 +40,6 @@ def _human(n: Optional[int]) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return str(n)
-
-
-def checkpoints_of(path: str) -> str:
-    """The folder of checkpoints PATH means: PATH itself when it holds ``step_N`` folders;
-    for a run folder (a ``--output_dir``, with its metrics.jsonl), the ``--checkpoint_path``
-    its run wrote to, or its ``ckpt/`` or ``checkpoints/`` folder; else PATH."""
-    candidates = [path]
-    if storage.scheme(path) is None and Path(path, METRICS_FILE).is_file():
-        start = (last_run(Path(path)) or ({}, None))[0]
-        written = ((start.get("config") or {}).get("checkpoint") or {}).get("checkpoint_path")
-        candidates += [written] if written else []
-        candidates += [storage.join(path, "ckpt"), storage.join(path, "checkpoints")]
-    return next((c for c in candidates if list_checkpoints(c)), path)
 
 
 def _is_checkpoint(path: str) -> bool:
@@ -91,9 +77,11 @@ def _ls(ns: argparse.Namespace) -> int:
     infos = list_checkpoints(ns.path)
     if ns.verify:
         infos = [verify(i.path) if i.complete else i for i in infos]
+    # With --verify, a damaged checkpoint fails the listing, as it fails `verify`.
+    status = 1 if any(i.damaged for i in infos) else 0
     if ns.json:
         print(json.dumps([_info_dict(i) for i in infos]))
-        return 0
+        return status
     if not infos:
         if not storage.exists(ns.path):
             print(f"torchrec-cloud checkpoint ls: {ns.path} does not exist", file=sys.stderr)
@@ -102,11 +90,11 @@ def _ls(ns: argparse.Namespace) -> int:
         return 0
     print(f"{'name':<16} {'step':>9} {'ranks':>5} {'size':>10}  {'created':<25} status")
     for i in infos:
-        status = _status(i, ns.verify)
         created = (i.commit or {}).get("created", "-")
         step = "-" if i.step is None else str(i.step)
-        print(f"{i.name:<16} {step:>9} {i.world_size or '-':>5} {_human(i.bytes):>10}  {created:<25} {status}")
-    return 0
+        print(f"{i.name:<16} {step:>9} {i.world_size or '-':>5} {_human(i.bytes):>10}  {created:<25} "
+              f"{_status(i, ns.verify)}")
+    return status
 
 
 def _info_dict(i: CheckpointInfo) -> dict[str, Any]:
@@ -192,16 +180,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Read every byte of a checkpoint, or of each checkpoint under a folder, and compare it "
         "with the checksums recorded when it was saved. Exit 1 naming each damaged or incomplete one.",
     )
-    ver.add_argument("path", metavar="PATH", help="a step_N checkpoint, or a folder of them")
+    ver.add_argument("path", metavar="PATH", help="a step_N checkpoint, a folder of them, or a run folder")
     ver.set_defaults(func=_run_cli(_verify))
     return parser
 
 
-_VERIFY_HELP = "read every byte back against the checksums saved with it (slow); a damaged one says DAMAGED"
+_VERIFY_HELP = "read every byte back against the checksums saved with it (slow); a damaged one says DAMAGED (exit 1)"
 
 
 def _verify(ns: argparse.Namespace) -> int:
-    infos = [inspect_checkpoint(ns.path)] if _is_checkpoint(ns.path) else list_checkpoints(ns.path)
+    infos = [inspect_checkpoint(ns.path)] if _is_checkpoint(ns.path) else list_checkpoints(checkpoints_of(ns.path))
     if not infos:
         what = "does not exist" if not storage.exists(ns.path) else "holds no checkpoint"
         print(f"torchrec-cloud checkpoint verify: error: {ns.path} {what}", file=sys.stderr)

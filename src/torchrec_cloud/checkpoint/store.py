@@ -18,6 +18,7 @@ import dataclasses
 import json
 import re
 import warnings
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
@@ -205,17 +206,34 @@ def warn_skipped(info: CheckpointInfo, instead: Optional[CheckpointInfo], stackl
                   stacklevel=stacklevel + 1)  # fmt: skip
 
 
+def checkpoints_of(path: str) -> str:
+    """The folder of checkpoints PATH means: PATH itself when it holds ``step_N`` folders;
+    for a run folder (a ``--output_dir``, with its metrics.jsonl), the ``--checkpoint_path``
+    its run wrote to, or its ``ckpt/`` or ``checkpoints/`` folder; else PATH."""
+    from torchrec_cloud.metrics.run_folder import METRICS_FILE, last_run
+
+    candidates = [path]
+    if storage.scheme(path) is None and Path(path, METRICS_FILE).is_file():
+        start = (last_run(Path(path)) or ({}, None))[0]
+        written = ((start.get("config") or {}).get("checkpoint") or {}).get("checkpoint_path")
+        candidates += [written] if written else []
+        candidates += [storage.join(path, "ckpt"), storage.join(path, "checkpoints")]
+    return next((c for c in candidates if list_checkpoints(c)), path)
+
+
 def resolve(path: str) -> CheckpointInfo:
     """The checkpoint that ``--resume_from PATH`` means: PATH itself, or, for a folder of
-    checkpoints, its newest complete one. Anything else raises :class:`ConfigError`."""
+    checkpoints or a run folder (:func:`checkpoints_of`), its newest complete one. Anything
+    else raises :class:`ConfigError`."""
     info = inspect_checkpoint(path)
     if info.complete:
         return info
     if info.commit is None and not storage.exists(storage.join(path, ".metadata")):
-        newest = newest_complete(path)
+        folder = checkpoints_of(path)
+        newest = newest_complete(folder)
         if newest is not None:
             return newest
-        listed = list_checkpoints(path)
+        listed = list_checkpoints(folder)
         if listed:
             problems = "; ".join(f"{i.name}: {i.problem}" for i in listed)
             raise ConfigError("resume_from", f"{path} holds no complete checkpoint ({problems})")

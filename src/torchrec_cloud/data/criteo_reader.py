@@ -100,7 +100,10 @@ class CriteoSource(DataSource):
         multi_hot_pooling: str = "fixed",
         window_rows: int = WINDOW_ROWS,
         io_threads: int = IO_THREADS,
+        splits: Sequence[str] = ("train", "val", "test"),
     ) -> None:
+        """``splits``: the splits that must have rows (``predict`` needs only the one it scores;
+        with ``train`` among them, at least one batch per rank)."""
         self.path = path
         self.manifest = manifest = load_manifest(path)
         self.batch_size = batch_size
@@ -139,12 +142,12 @@ class CriteoSource(DataSource):
             [source_min[s["source"]] - 2 for s in manifest["shards"]], dtype=np.int64
         )
         self.splits = {name: _Split(segs) for name, segs in manifest["splits"].items()}
-        for name in ("train", "val", "test"):
+        for name in splits:
             if self.splits[name].rows == 0:
                 raise ConfigError("dataset_path", f"{path}: the {name} split has no rows")
         train_rows = self.splits["train"].rows
         self.batches_per_rank = train_rows // (world_size * batch_size)
-        if self.batches_per_rank == 0:
+        if self.batches_per_rank == 0 and "train" in splits:
             raise ConfigError(
                 "batch_size",
                 f"{path} has {train_rows} training rows, fewer than one batch per rank "
@@ -335,8 +338,11 @@ class CriteoSource(DataSource):
         )
 
 
-def build_criteo_source(cfg: JobConfig, rank: int, world_size: int) -> CriteoSource:
-    """The data source for ``--dataset_path`` (called by the training loop on every rank)."""
+def build_criteo_source(
+    cfg: JobConfig, rank: int, world_size: int, splits: Sequence[str] = ("train", "val", "test")
+) -> CriteoSource:
+    """The data source for ``--dataset_path`` (called by the training loop on every rank;
+    ``splits``: those that must have rows, see :class:`CriteoSource`)."""
     if cfg.model.num_dense_features != INT_FEATURES or cfg.model.num_sparse_features != CAT_FEATURES:
         raise ConfigError(
             "dataset_path",
@@ -358,6 +364,7 @@ def build_criteo_source(cfg: JobConfig, rank: int, world_size: int) -> CriteoSou
         dense_transform=cfg.data.dense_transform,
         multi_hot_sizes=cfg.data.multi_hot_sizes,
         multi_hot_pooling=cfg.data.multi_hot_pooling,
+        splits=splits,
     )
 
 

@@ -84,12 +84,16 @@ def add_command(
     from torchrec_cloud.checkpoint.store import CheckpointError
 
     def main(ns: argparse.Namespace) -> int:
+        from torchrec_cloud.train import quiet_library_warnings
+
+        quiet_library_warnings()  # torch.fx's is_fx_tracing notice, TorchRec's internals: nothing to act on
         try:
             return run(ns)
         except (ServingError, CheckpointError, storage.StorageError) as e:
             print(f"torchrec-cloud {name}: error: {e}", file=sys.stderr)
             return 1
 
-    parser = subparsers.add_parser(name, help=summary, description=doc.split("\n\n")[0])
+    parser = subparsers.add_parser(name, help=summary, description=doc,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.set_defaults(func=main)
     return parser

@@ -4,7 +4,8 @@ directory that serves (layout in :mod:`torchrec_cloud.serving`)::
     torchrec-cloud export runs/q/checkpoints --output models/q
     torchrec-cloud export s3://bucket/runs/q/checkpoints/step_00002000 --output s3://bucket/models/q --quantize int8
 
-CHECKPOINT is one checkpoint or a folder of them (its newest complete one, as resume picks).
+CHECKPOINT is one checkpoint, a folder of them (its newest complete one, as resume picks), or
+a run folder (the ``--output_dir``: the checkpoints its run wrote), as ``checkpoint ls`` takes.
 A checkpoint of any world size is read whole on this one process, without a process group:
 DCP's index says where every shard of every table lives, so the tables are gathered from
 the ranks' files as they were saved.
@@ -26,7 +27,7 @@ from typing import Any, Optional
 
 import torch
 
-from torchrec_cloud import storage
+from torchrec_cloud import counted, storage
 from torchrec_cloud.checkpoint.dcp import load_full_state
 from torchrec_cloud.checkpoint.store import COMMIT_FILE, CheckpointInfo, resolve
 from torchrec_cloud.config import ConfigError, JobConfig, ModelConfig
@@ -227,7 +228,7 @@ def _mib(n: int) -> str:
 def _report(config: dict[str, Any], output: str, log) -> None:
     ck = config["checkpoint"]
     log(
-        f"exported {ck['path']} (step {ck['step']}, {ck['world_size']} ranks) to {output} in "
+        f"exported {ck['path']} (step {ck['step']}, {counted(ck['world_size'], 'rank')}) to {output} in "
         f"{config['seconds']:.1f}s: {SCORER_FILE} {_mib(config['files'][SCORER_FILE])} "
         f"(tables {config['quantize']}), {WEIGHTS_FILE} {_mib(config['files'][WEIGHTS_FILE])}"
     )
@@ -248,7 +249,7 @@ def _report(config: dict[str, Any], output: str, log) -> None:
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     summary = "export a training checkpoint to a model directory that serves (TorchScript + weights)"
     parser = add_command(subparsers, "export", summary, __doc__, _main)
-    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint, or a folder of them (its newest)")
+    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint, a folder of them (its newest complete one) or a run folder")
     parser.add_argument("--output", required=True, metavar="DIR", help="the model directory to write (folder or URL)")
     parser.add_argument(
         "--quantize", choices=QUANTIZE, default="none", help="store the scoring module's tables as fp16 or row-wise int8"

@@ -40,9 +40,10 @@ from torchrec_cloud.serving import (
 SPLITS = ("val", "test", "all")
 
 
-def eval_source(cfg: JobConfig, batch_size: int):
+def eval_source(cfg: JobConfig, batch_size: int, split: str = "val"):
     """A one-process reader of ``cfg``'s held-out data: its ``--dataset_path`` shards, or,
-    without one, its synthetic data (the same rows training evaluated on)."""
+    without one, its synthetic data (the same rows training evaluated on). Only ``split``
+    (``all``: every split) must have rows."""
     cfg.data.batch_size = batch_size
     if cfg.data.dataset_path is None:
         from torchrec_cloud.data.synthetic import SyntheticSource
@@ -60,7 +61,7 @@ def eval_source(cfg: JobConfig, batch_size: int):
     except ConfigError as e:
         raise ServingError(str(e).split(": ", 1)[-1]) from None
     try:
-        return build_criteo_source(cfg, 0, 1)
+        return build_criteo_source(cfg, 0, 1, splits=("train", "val", "test") if split == "all" else (split,))
     except ConfigError as e:
         if e.flag == "batch_size":
             raise
@@ -163,7 +164,7 @@ def predict(
     cfg = saved_job_config(config, storage.join(model_dir, CONFIG_FILE))
     cfg.data.dataset_path = dataset_path
     scorer = load_scorer(model_dir)
-    source = eval_source(cfg, batch_size)
+    source = eval_source(cfg, batch_size, split)
     if isinstance(source, CriteoTSV):
         split = "file"
     (logits,), labels, seconds = score([scorer], split_batches(source, split), None, progress, split_rows(source, split))
