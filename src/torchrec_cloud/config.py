@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import types
@@ -386,8 +387,8 @@ class CheckpointConfig:
     checkpoint_keep: int = 3
     """Keep the newest this many complete checkpoints, deleting older ones (0: keep all)."""
     resume_from: Optional[str] = None
-    """Resume from this checkpoint (a step_NNNNNNNN folder, or a folder of them: its newest
-    complete one) instead of the newest under --checkpoint_path."""
+    """Resume from this checkpoint (a step_NNNNNNNN folder, a folder of them or a run folder:
+    its newest complete one) instead of the newest under --checkpoint_path."""
     async_checkpoint: bool = False
     """Write checkpoints in a background thread; training waits only while the state is
     copied in memory."""
@@ -567,6 +568,7 @@ def _with_defaults(formatter: type) -> type:
     return WithDefaults
 
 
+@functools.lru_cache(maxsize=None)  # a class's source is read and parsed once, not per parser built
 def _field_docs(cls: type) -> dict[str, str]:
     """Field docstrings (the string literal after each field) of a dataclass."""
     import ast
@@ -613,8 +615,10 @@ def flag_kwargs(tp: Any) -> dict[str, Any]:
     return {"type": tp}
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """Add ``--preset`` and one flag per leaf of :class:`JobConfig` (defaults: the preset's)."""
+def add_config_flags(parser: argparse.ArgumentParser, shown: Optional[Callable[[str, str], bool]] = None) -> None:
+    """Add ``--preset`` and one flag per leaf of :class:`JobConfig` (defaults: the preset's).
+    With ``shown``, ``--help`` lists only the flags for which ``shown(section, field)`` is
+    true; every flag is still accepted."""
     parser.add_argument(
         "--preset",
         choices=sorted(PRESETS),
@@ -626,11 +630,14 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     for section in SECTIONS:
         cls = typing.get_type_hints(JobConfig)[section]
         docs = _field_docs(cls)
-        group = parser.add_argument_group(section, cls.__doc__)
+        listed = shown is None or any(shown(section, f.name) for f in dataclasses.fields(cls))
+        group = parser.add_argument_group(section, cls.__doc__) if listed else parser
         for f in dataclasses.fields(cls):
             tp = hints_by_section[section][f.name]
             values = {name: getattr(getattr(cfg, section), f.name) for name, cfg in presets.items()}
             text = f"{docs.get(f.name, '')} {_preset_defaults(values)}".replace("%", "%%")
+            if shown is not None and not shown(section, f.name):
+                text = argparse.SUPPRESS
             kwargs = {"default": argparse.SUPPRESS, "help": text, **flag_kwargs(tp)}
             group.add_argument(f"--{f.name}", **kwargs)
 

@@ -190,5 +190,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         prefix_chars="\0",  # every word goes to torchrun, --help included
     )
     parser.add_argument("torchrun_args", nargs=argparse.REMAINDER)
-    parser.set_defaults(func=lambda ns: main(ns.torchrun_args))
+    parser.set_defaults(func=lambda ns: _help(parser) if ns.torchrun_args[:1] in (["-h"], ["--help"]) else
+                        main(ns.torchrun_args))  # fmt: skip
     return parser
+
+
+def _help(parser: argparse.ArgumentParser) -> int:
+    """``launch --help``: what it adds to torchrun (the exit codes), and where torchrun's own
+    flags are listed; every one of them is taken here as torchrun takes it."""
+    print(f"usage: {parser.prog} [TORCHRUN FLAGS] (-m MODULE | SCRIPT) [ARGS ...]\n")
+    print(parser.description)
+    print("Flags: every flag of torchrun, as torchrun takes it (`torchrun --help` lists them); the\n"
+          "rendered pods set --nnodes, --nproc_per_node, --rdzv_backend, --rdzv_endpoint, --rdzv_id,\n"
+          "--max_restarts and --shutdown_timeout.")
+    return EXIT_OK

@@ -11,7 +11,7 @@ original guide did, would start G x G trainers per node::
     print(dump_job(job))                                  # what would be submitted
     submit_job(job, subscription_id=..., resource_group="torchrec-rg", workspace="torchrec-ws")
 
-``pip install 'torchrec-cloud[azure]'`` brings azure-ai-ml and azure-identity.
+``pip install -e '.[azure]'`` brings azure-ai-ml and azure-identity.
 """
 
 from __future__ import annotations

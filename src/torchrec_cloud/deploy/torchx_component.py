@@ -9,12 +9,13 @@ devices::
     app = build_app(DeploySpec(cloud="generic", nodes=2, gpus_per_node=8))
     python aws/cloud_component.py --dry-run          # prints the AppDef
 
-torchx is an optional extra (``pip install 'torchrec-cloud[torchx]'``), imported here only.
+torchx is an optional extra (``pip install -e '.[torchx]'``), imported here only.
 """
 
 from __future__ import annotations
 
 import inspect
+import pprint
 import re
 import shlex
 import sys
@@ -119,7 +120,7 @@ def main(component: Callable[..., Any], argv: list[str]) -> int:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
     if ns.dry_run:
-        print(app)
+        print(pprint.pformat(app, width=100))  # one field a line: the AppDef's repr is one line of ~1,000 characters
         return 0
     from torchx.runner import get_runner
 

@@ -11,7 +11,7 @@ its node rank and node 0's address come from the
     submit_job(job, project="my-project", location="us-central1")
 
 The job is an ``aiplatform_v1`` ``CustomJob`` message, built offline.
-``pip install 'torchrec-cloud[gcp]'`` brings google-cloud-aiplatform.
+``pip install -e '.[gcp]'`` brings google-cloud-aiplatform.
 """
 
 from __future__ import annotations
