@@ -4,7 +4,7 @@ maintained (last release 0.7.0); prefer gcp/torchrec_job.yaml, the Kubeflow mani
 beside it, or `torchrec-cloud submit`.
 
     python gcp/cloud_component.py --dry-run                # print the AppDef
-    pip install 'torchrec-cloud[torchx]' 'torchx[kubernetes]'
+    pip install -e '.[torchx]' 'torchx[kubernetes]'
     torchx run -s kubernetes -cfg namespace=torchrec,queue=default \
         gcp/cloud_component.py:trainer --nodes 2 --image us-central1-docker.pkg.dev/your-project-id/torchrec/torchrec-cloud:0.1.0 -- --batch_size 4096
 """

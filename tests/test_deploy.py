@@ -299,7 +299,7 @@ def test_missing_sdk_names_the_extra(module, blocked, extra, monkeypatch):
     monkeypatch.setitem(sys.modules, blocked, None)  # what an uninstalled package looks like to import
     build = {"azureml": lambda: azureml.build_command_job(DeploySpec(cloud="azure"), compute="c"),
              "vertex": lambda: vertex.build_custom_job(DeploySpec(cloud="gcp"))}[module]
-    with pytest.raises(MissingExtraError, match=rf"pip install 'torchrec-cloud\[{extra}\]'"):
+    with pytest.raises(MissingExtraError, match=rf"pip install -e '\.\[{extra}\]' in the torchrec-cloud checkout"):
         build()
 
 
@@ -331,3 +331,26 @@ def test_torchx_component_dry_run(cloud):
     assert role.env == {**load_profile(cloud).env, "TORCHREC_CLOUD_NODE_RANK": "${replica_id}"}
     storage = load_profile(cloud).storage
     assert [(m.src, m.dst_path) for m in role.mounts] == [(storage["claim_name"], storage["mount_path"])]
+
+
+@pytest.mark.parametrize("cloud", CLOUDS)
+def test_the_guides_render_the_committed_job_with_your_image_and_identity(cloud, cli):
+    """The README's own render command, given the profile's example image and identity,
+    is the committed torchrec_job.yaml: the guide's job has the committed settings
+    (checkpoint destination and cadence, preset, nodes)."""
+    import shlex
+
+    from doc_examples import markdown_examples, parse_command
+
+    profile = load_profile(cloud)
+    (command,) = [e.text for e in markdown_examples(f"{cloud}/README.md")
+                  if e.text.startswith(f"torchrec-cloud render --cloud {cloud} --nodes 2 ")]
+    values = {"$IMAGE": layout.cloud_image(profile), f"${profile.identity['variable']}": profile.identity["example"]}
+    parsed = parse_command(command)
+    assert parsed.writes == ["job.yaml"]
+    args = [values.get(a, a) for a in parsed.argv[1:]]
+    assert not any(a.startswith("$") for a in args), shlex.join(args)
+    done = cli(*args)
+    assert done.returncode == 0, done.stderr
+    committed = (ROOT / cloud / "torchrec_job.yaml").read_text()
+    assert done.stdout == committed.split("\n", 1)[1]

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Sequence
 
-from torchrec_cloud import __version__
+from torchrec_cloud import __version__, install_extra
 from torchrec_cloud.config import PRESETS, ConfigError, FlagParser, add_config_flags, config_from_args, flag_kwargs
 
 LAUNCHERS = ("job", "pytorchjob", "trainjob")
@@ -42,7 +42,7 @@ class MissingExtraError(ImportError):
     """An optional SDK that is not installed; says which extra brings it."""
 
     def __init__(self, module: str, extra: str) -> None:
-        super().__init__(f"{module} is not installed: pip install 'torchrec-cloud[{extra}]'")
+        super().__init__(f"{module} is not installed: {install_extra(extra)}")
 
 
 class _TrainFlagParser(FlagParser):  # no abbreviations, `_` or `-`, as `train` itself
@@ -149,6 +149,10 @@ class DeploySpec:
                 )
         if self.preset not in PRESETS:
             raise ConfigError("preset", f"must be one of {', '.join(sorted(PRESETS))}, got {self.preset!r}")
+        if self._trains_with("--preset"):
+            # The job's preset decides its plan and what the guides' scripts add; one among the
+            # training flags would silently override the --preset this job was rendered with.
+            raise ConfigError("preset", "give the preset before '--' (--preset NAME), not among the training flags")
         if not self.image.strip():
             raise ConfigError("image", "must not be empty")
         if self.grace_period_s is not None and self.grace_period_s < 60:
