@@ -220,15 +220,24 @@ def header(rel: str) -> tuple[str, int]:
     return "\n".join(head), 1
 
 
+HELP = "--help"  # the source name of every sub-command's help texts, together
+SOURCES = [*MARKDOWN, HELP, *SCRIPT_HEADERS]
+
+
+def examples_of(source: str) -> list[Example]:
+    """The examples of a Markdown file, of a script's header, or (``HELP``) of every
+    sub-command's ``--help`` (each named ``torchrec-cloud CMD --help``)."""
+    if source == HELP:
+        return [e for name, text in help_texts().items() for e in text_examples(f"{name} --help", text)]
+    if source.endswith(".md"):
+        return markdown_examples(source)
+    text, first = header(source)
+    return text_examples(source, text, first)
+
+
 def examples() -> dict[str, list[Example]]:
-    """Every example, by source (a file, or ``torchrec-cloud CMD --help``)."""
-    found = {rel: markdown_examples(rel) for rel in MARKDOWN}
-    for name, text in help_texts().items():
-        found[f"{name} --help"] = text_examples(f"{name} --help", text)
-    for rel in SCRIPT_HEADERS:
-        text, first = header(rel)
-        found[rel] = text_examples(rel, text, first)
-    return found
+    """Every example, by source."""
+    return {source: examples_of(source) for source in SOURCES}
 
 
 # -- reading one command -----------------------------------------------------------------

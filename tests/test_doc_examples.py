@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from doc_examples import Checker, Example, examples
-
-SOURCES = examples()
+from doc_examples import HELP, SOURCES, Checker, Example, examples_of, help_texts
 
 
-@pytest.mark.parametrize("source", sorted(SOURCES))
+@pytest.mark.parametrize("source", SOURCES)
 def test_every_example_runs_as_shown(source, tiny_run_folder):
     checker = Checker(tiny_run_folder)
-    for example in SOURCES[source]:
+    for example in examples_of(source):
         checker.check(example)
     assert not checker.problems, f"{len(checker.problems)} example(s) in {source} drift from the program:\n" + (
         "\n".join(checker.problems))
@@ -23,18 +21,17 @@ def test_every_example_runs_as_shown(source, tiny_run_folder):
 def test_commands_are_found_in_every_kind_of_source():
     """The extractor sees what it must: fenced blocks with continuations, prompted output
     blocks, inline spans, --help texts and script headers."""
-    def texts(source):
-        return [e.text for e in SOURCES[source]]
-
-    assert any(t.startswith("torchrec-cloud launch --nnodes=2") and "--checkpoint_path s3://bucket/ckpt/" in t
-               for t in texts("README.md"))  # three lines joined
-    assert "torchrec-cloud checkpoint ls runs/q/ckpt" in texts("docs/checkpoints.md")  # after a `$ ` prompt
-    assert any(e.kind == "inline" and e.text.startswith("torchrec-cloud plan") for e in SOURCES["README.md"])
-    assert any(t.startswith("torchrec-cloud render --cloud aws --launcher pytorchjob")
-               for t in texts("torchrec-cloud render --help"))
-    assert any(t.startswith("bash aws/train_dlrm_aws.sh") or "bash aws/train_dlrm_aws.sh" in t
-               for t in texts("aws/train_dlrm_aws.sh"))
-    assert {"torchrec-cloud data preprocess --help", "torchrec-cloud checkpoint verify --help"} <= set(SOURCES)
+    readme = examples_of("README.md")
+    assert any(e.text.startswith("torchrec-cloud launch --nnodes=2") and "--checkpoint_path s3://bucket/ckpt/" in e.text
+               for e in readme)  # three lines joined
+    assert any(e.kind == "inline" and e.text.startswith("torchrec-cloud plan") for e in readme)
+    assert "torchrec-cloud checkpoint ls runs/q/ckpt" in [e.text for e in examples_of("docs/checkpoints.md")]  # `$ `
+    helps = examples_of(HELP)
+    assert any(e.source == "torchrec-cloud render --help" and e.text.startswith("torchrec-cloud render --cloud aws")
+               for e in helps)
+    assert "torchrec-cloud checkpoint --help" in {e.source for e in helps}
+    assert {"torchrec-cloud data preprocess", "torchrec-cloud checkpoint verify"} <= set(help_texts())  # sub-commands
+    assert any("bash aws/train_dlrm_aws.sh" in e.text for e in examples_of("aws/train_dlrm_aws.sh"))
 
 
 @pytest.mark.parametrize("text, needle", [

@@ -9,7 +9,9 @@ its bytes are still those that were saved::
     torchrec-cloud checkpoint verify s3://bucket/runs/q          # exit 1 naming a damaged file
 
 ``ls`` and ``inspect`` read only each ``COMMIT.json`` and the files' sizes; with ``--verify``
-they read every byte back against the checksums, as ``verify`` does.
+they read every byte back against the checksums, as ``verify`` does, and exit 1 when one is
+damaged. PATH may be a run folder (its ``--output_dir``) wherever it may be a folder of
+checkpoints, as for ``export`` and ``--resume_from``.
 """
 
 from __future__ import annotations
@@ -159,7 +161,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "checkpoint",
         help="list and inspect checkpoints (a run folder, a local folder or s3://, gs://, az:// URL)",
-        description="List the checkpoints under a --checkpoint_path, or inspect one.",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="action", metavar="ACTION", parser_class=type(parser))
     sub.required = True
