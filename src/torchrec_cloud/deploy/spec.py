@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Literal, Optional, Sequence
 
 from torchrec_cloud import __version__
@@ -50,7 +51,9 @@ class _TrainFlagParser(FlagParser):  # no abbreviations, `_` or `-`, as `train` 
         raise TrainFlagsError(message)
 
 
+@lru_cache(maxsize=1)
 def _trainer_parser() -> argparse.ArgumentParser:
+    # Built once: its help texts come from the config's source, read with inspect (slow).
     parser = _TrainFlagParser(prog="torchrec-cloud train", add_help=False)
     add_config_flags(parser)
     return parser
