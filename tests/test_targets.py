@@ -10,7 +10,6 @@ configs and READMEs, and show the check refusing the configurations that left po
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import re
