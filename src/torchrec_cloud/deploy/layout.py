@@ -115,9 +115,13 @@ def cloud_files(profile: Profile, root: Path = REPO_ROOT) -> dict[str, str]:
     c = profile.cluster
     instance = profile.instance()
     spec = cloud_spec(profile)
+    nodes = profile.gpu_nodes or {}
     groups = [
-        {"name": c["node_groups"]["on_demand"], "instance": instance, "spot": False, "desired": 2, "max": 4},
-        {"name": c["node_groups"]["spot"], "instance": instance, "spot": True, "desired": 0, "max": 4},
+        {"name": c["node_groups"]["on_demand"], "instance": instance, "spot": False, "desired": 2, "max": 4,
+         "labels": dict(nodes.get("labels") or {}), "taints": list(nodes.get("taints") or [])},
+        {"name": c["node_groups"]["spot"], "instance": instance, "spot": True, "desired": 0, "max": 4,
+         "labels": {**(nodes.get("labels") or {}), **((nodes.get("spot") or {}).get("labels") or {})},
+         "taints": list(nodes.get("taints") or []) + list((nodes.get("spot") or {}).get("taints") or [])},
     ]
     common = dict(generated_note=NOTE, profile=profile, c=c, instance=instance, gpus=instance.gpus,
                   monitoring=build_context(spec, profile)["monitoring"],
