@@ -77,6 +77,8 @@ OURS = {"torchrec-cloud", ".venv/bin/torchrec-cloud", "torchrun", "python", "pyt
         "make", "pip", ".venv/bin/pip"}
 INLINE_STARTS = OURS | {"docker", "kubectl"}
 # The image's entry scripts (docker/entrypoint.sh runs them from /workspace) and what they run.
+# submit's targets that build a cloud service's job rather than Kubernetes manifests.
+MANAGED_TARGETS = ("azureml", "vertex")
 ENTRY_SCRIPTS = {"train_torchrec_quickstart.py": ["train", "--preset", "quickstart"],
                  "train_dlrm.py": ["train", "--preset", "criteo-1tb"]}
 DOCKER_VALUE_OPTIONS = {"--gpus", "--shm-size", "-e", "--env", "-v", "--volume", "--name", "-p", "--publish",
@@ -528,7 +530,16 @@ class Checker:
         from torchrec_cloud.deploy.spec import spec_from_args
 
         spec = spec_from_args(ns)
-        spec.trainer_args("/runs")  # the training flags after '--', as the trainer takes them
+        if args[0] == "submit" and ns.target in MANAGED_TARGETS:
+            # The service's own job, as --dry-run builds it: its checkpoint destinations
+            # (azureml:// becomes a mounted output), its refusals, the training flags it passes.
+            build = {"azureml": submit.submit_azureml, "vertex": submit.submit_vertex}[ns.target]
+            options = argparse.Namespace(compute=getattr(ns, "compute", None), dry_run=True,
+                                         staging_bucket=getattr(ns, "staging_bucket", None))
+            with captured():
+                build(spec, options)
+        else:
+            spec.trainer_args("/runs")  # the training flags after '--', as the trainer takes them
         if args[0] == "submit" and not ns.dry_run:
             for problem in submit.placeholders(spec, ns.target):
                 self.fail(ex, f"submit would refuse it: {problem}")
@@ -676,7 +687,8 @@ class Checker:
         from torchrec_cloud.deploy.torchx_component import main
 
         with captured() as (out, err):
-            code = main(module.trainer, [*[plain_value(a) for a in args if a != "--dry-run"], "--dry-run"])
+            # --dry-run before a '--': what follows it is the training flags
+            code = main(module.trainer, ["--dry-run", *[plain_value(a) for a in args if a != "--dry-run"]])
         if code != 0:
             self.fail(ex, f"refused: {_error_line(err.getvalue())}")
 

@@ -17,6 +17,7 @@ checkpoints, as for ``export`` and ``--resume_from``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any, Callable, Optional
@@ -25,6 +26,7 @@ from torchrec_cloud import storage
 from torchrec_cloud.checkpoint.dcp import read_metadata, verify
 from torchrec_cloud.checkpoint.store import (
     COMMIT_FILE,
+    CheckpointDamagedError,
     CheckpointError,
     CheckpointInfo,
     checkpoints_of,
@@ -79,8 +81,9 @@ def _ls(ns: argparse.Namespace) -> int:
     infos = list_checkpoints(ns.path)
     if ns.verify:
         infos = [verify(i.path) if i.complete else i for i in infos]
-    # With --verify, a damaged checkpoint fails the listing, as it fails `verify`.
-    status = 1 if any(i.damaged for i in infos) else 0
+    # With --verify, a damaged checkpoint fails the listing, as it fails `verify`; without it
+    # the listing is what it reads (a row whose COMMIT.json is refused says DAMAGED, exit 0).
+    status = 1 if ns.verify and any(i.damaged for i in infos) else 0
     if ns.json:
         print(json.dumps([_info_dict(i) for i in infos]))
         return status
@@ -114,21 +117,23 @@ def _info_dict(i: CheckpointInfo) -> dict[str, Any]:
         "epoch": trainer.get("epoch"),
         "batch": trainer.get("batch"),
         "reason": (i.commit or {}).get("reason"),
+        "owner": (i.commit or {}).get("owner"),
     }
 
 
 def _inspect(ns: argparse.Namespace) -> int:
     ns.path = _checkpoint_at(ns.path)
     info = verify(ns.path) if ns.verify else inspect_checkpoint(ns.path)
-    out = _info_dict(info)
-    if not info.complete and info.commit is None and not storage.exists(storage.join(ns.path, ".metadata")):
+    if info.commit is None and (info.damaged or not storage.exists(storage.join(ns.path, ".metadata"))):
         print(f"torchrec-cloud checkpoint inspect: {ns.path}: {info.problem}", file=sys.stderr)
         return 1
     tensors: list[dict[str, Any]] = []
     try:
         metadata = read_metadata(ns.path, info.commit)
+    except CheckpointDamagedError as e:  # not DCP's index of these files: nothing of it is shown
+        info = info if info.damaged else info.as_damaged(f"{e.file}: {e.detail}")
     except CheckpointError as e:
-        out["problem"] = out["problem"] or str(e)
+        info = dataclasses.replace(info, problem=info.problem or str(e))
     else:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -138,11 +143,12 @@ def _inspect(ns: argparse.Namespace) -> int:
                     {"key": key, "shape": list(md.size), "dtype": str(md.properties.dtype).replace("torch.", ""),
                      "shards": len(md.chunks)}
                 )
+    out = _info_dict(info)
     out["tensors"] = tensors
     if ns.json:
         print(json.dumps(out))
         return 0 if info.complete else 1
-    for key in ("path", "step", "epoch", "batch", "world_size", "created", "reason"):
+    for key in ("path", "step", "epoch", "batch", "world_size", "owner", "created", "reason"):
         print(f"{key:<11} {out[key]}")
     print(f"{'size':<11} {_human(info.bytes)}" + (f" ({info.bytes} bytes)" if info.bytes is not None else ""))
     print(f"{'status':<11} " + _status(info, ns.verify))
@@ -154,6 +160,8 @@ def _inspect(ns: argparse.Namespace) -> int:
         if ns.verbose:
             for t in tensors:
                 print(f"  {t['key']}  {t['dtype']}{t['shape']}  shards={t['shards']}")
+    if info.damaged:
+        print(f"torchrec-cloud checkpoint inspect: error: {ns.path}: {_status(info)}", file=sys.stderr)
     return 0 if info.complete else 1
 
 

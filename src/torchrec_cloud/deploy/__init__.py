@@ -9,8 +9,9 @@ cloud profile from ``profiles/`` (data, not code) and a :class:`~.spec.DeploySpe
     make render        # regenerate the committed copies in quickstart/, aws/, azure/, gcp/, docker/
 
 Modules: ``spec`` (what to deploy), ``profiles`` (cloud data), ``manifests`` (Kubernetes),
-``monitoring`` (what each cloud's metrics collector needs), ``azureml`` and ``vertex``
-(managed training services), ``torchx_component`` (legacy TorchX), ``layout`` (the
-committed files: cluster configs, storage, launch scripts, READMEs, images), ``render``
-and ``submit`` (the sub-commands).
+``monitoring`` (what each cloud's metrics collector needs), ``schedulable`` (can the pods
+run where the guide's cluster has what they ask for), ``azureml`` and ``vertex`` (managed
+training services; ``managed``: what they share), ``torchx_component`` (legacy TorchX),
+``layout`` (the committed files: cluster configs, storage, launch scripts, READMEs, images),
+``render`` and ``submit`` (the sub-commands).
 """
