@@ -328,6 +328,8 @@ def test_torchx_component_dry_run(cloud):
     assert role.entrypoint == "bash" and role.num_replicas == 3 and role.resource.gpu == 8
     assert role.args[1].startswith("torchrec-cloud launch ")
     assert "--rdzv_endpoint=$${${rank0_env}:=localhost}:29500" in role.args[1]
-    assert role.env == {**load_profile(cloud).env, "TORCHREC_CLOUD_NODE_RANK": "${replica_id}"}
+    profile = load_profile(cloud)
+    instance_env = profile.instance().env if profile.instance() else {}  # the default instance's
+    assert role.env == {**profile.env, **instance_env, "TORCHREC_CLOUD_NODE_RANK": "${replica_id}"}
     storage = load_profile(cloud).storage
     assert [(m.src, m.dst_path) for m in role.mounts] == [(storage["claim_name"], storage["mount_path"])]
