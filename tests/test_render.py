@@ -359,7 +359,8 @@ def test_a_new_cloud_is_only_data(tmp_path):
         text = yaml.safe_dump_all(docs)
         for needle in ("amd.com/gpu", "example.com/nic", "OTHER_NET", "other.example.com/identity", "big-8"):
             assert needle in text, (launcher, needle)
-    core = [ROOT / "src/torchrec_cloud/deploy" / n for n in ("manifests.py", "spec.py", "profiles.py", "render.py")]
+    core = [ROOT / "src/torchrec_cloud/deploy" / n
+            for n in ("manifests.py", "spec.py", "profiles.py", "render.py", "schedulable.py", "managed.py")]
     # Storage templates are per storage kind (picked by a profile's data), so they may name it.
     storage_templates = {(load_profile(c).storage or {}).get("template") for c in CLOUDS}
     core += sorted(p for p in (ROOT / "src/torchrec_cloud/deploy/templates").glob("*.j2")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 import types
 import typing
@@ -360,8 +361,9 @@ class OutputConfig:
     prometheus_port: Optional[int] = None
     """Serve Prometheus metrics over HTTP: rank r listens on this port + its local rank
     (off when not given)."""
-    metrics_host: str = "0.0.0.0"
-    """Address the Prometheus endpoint binds to (0.0.0.0: reachable by the cluster's collector)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the Prometheus endpoint binds to: this machine only by default (process and host
+    gauges are not for the network); 0.0.0.0 for a cluster's collector (rendered manifests pass it)."""
     system_metrics_interval: float = 5.0
     """Seconds between samples of GPU (NVML) and host CPU/memory gauges for Prometheus."""
     prometheus_linger: float = 0.0
@@ -379,6 +381,10 @@ class OutputConfig:
             raise ConfigError("metrics_host", "must not be empty (use 0.0.0.0 or 127.0.0.1)")
         _positive("system_metrics_interval", self.system_metrics_interval)
         _positive("prometheus_linger", self.prometheus_linger, allow_zero=True)
+
+
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,127}")
+"""What a job id (``--job_id``, recorded in every checkpoint it writes) may be."""
 
 
 @dataclass
@@ -401,8 +407,15 @@ class CheckpointConfig:
     checkpoint_checksums: bool = True
     """Record a checksum of every checkpoint file as it is written, and check what a resume
     reads against them (a damaged checkpoint is skipped); off: file sizes only."""
+    job_id: Optional[str] = None
+    """The job whose checkpoints these are: a run never overwrites or deletes another job's
+    checkpoints, and will not start on a --checkpoint_path that holds them. Default:
+    $TORCHREC_CLOUD_JOB_ID, else torchrun's --rdzv_id when named (the rendered manifests name
+    the job), else the job of the checkpoint this run resumes, else a new one."""
 
     def __post_init__(self) -> None:
+        if self.job_id is not None and not JOB_ID.fullmatch(self.job_id):
+            raise ConfigError("job_id", f"must be 1 to 128 letters, digits or ._:@/+- , got {self.job_id!r}")
         _positive("checkpoint_interval", self.checkpoint_interval, allow_zero=True)
         _positive("checkpoint_keep", self.checkpoint_keep, allow_zero=True)
         for flag in ("checkpoint_path", "resume_from"):

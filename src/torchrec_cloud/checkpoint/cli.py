@@ -15,7 +15,9 @@ they read every byte back against the checksums, as ``verify`` does.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -24,12 +26,14 @@ from torchrec_cloud import storage
 from torchrec_cloud.checkpoint.dcp import read_metadata, verify
 from torchrec_cloud.checkpoint.store import (
     COMMIT_FILE,
+    CheckpointDamagedError,
     CheckpointError,
     CheckpointInfo,
     inspect_checkpoint,
     list_checkpoints,
 )
 from torchrec_cloud.metrics.run_folder import METRICS_FILE, last_run
+from torchrec_cloud.untrusted import UntrustedInputError, shown, text
 
 
 def _human(n: Optional[int]) -> str:
@@ -46,14 +50,49 @@ def _human(n: Optional[int]) -> str:
 def checkpoints_of(path: str) -> str:
     """The folder of checkpoints PATH means: PATH itself when it holds ``step_N`` folders;
     for a run folder (a ``--output_dir``, with its metrics.jsonl), the ``--checkpoint_path``
-    its run wrote to, or its ``ckpt/`` or ``checkpoints/`` folder; else PATH."""
+    its run wrote to, or its ``ckpt/`` or ``checkpoints/`` folder; else PATH.
+
+    A run folder may come from elsewhere (downloaded with its metrics.jsonl), so the path it
+    records is followed only when it is a local path or URL we read, and a line on stderr
+    names it whenever it leads out of PATH: the user sees where is read. What is read there
+    is checked as any checkpoint is (reading one runs nothing it holds)."""
     candidates = [path]
+    recorded = None
     if storage.scheme(path) is None and Path(path, METRICS_FILE).is_file():
         start = (last_run(Path(path)) or ({}, None))[0]
-        written = ((start.get("config") or {}).get("checkpoint") or {}).get("checkpoint_path")
-        candidates += [written] if written else []
+        recorded = _recorded_checkpoint_path(path, start)
+        candidates += [recorded] if recorded else []
         candidates += [storage.join(path, "ckpt"), storage.join(path, "checkpoints")]
-    return next((c for c in candidates if list_checkpoints(c)), path)
+    chosen = next((c for c in candidates if list_checkpoints(c)), path)
+    if chosen == recorded and not _inside(recorded, path):
+        print(f"{path} is a run folder whose run wrote its checkpoints to {recorded} (from its "
+              f"{METRICS_FILE}): reading them there", file=sys.stderr)  # fmt: skip
+    return chosen
+
+
+def _recorded_checkpoint_path(folder: str, start: Any) -> Optional[str]:
+    """The ``--checkpoint_path`` a run folder's start record names, if it is printable text
+    naming a local path or a URL of a scheme we read (anything else is ignored, with a line)."""
+    config = start.get("config") if isinstance(start, dict) else None
+    section = config.get("checkpoint") if isinstance(config, dict) else None
+    written = section.get("checkpoint_path") if isinstance(section, dict) else None
+    if written is None:
+        return None
+    try:
+        text(written, f"{folder}/{METRICS_FILE}", "config.checkpoint.checkpoint_path", max_len=4096)
+        storage.scheme(written)
+    except (UntrustedInputError, storage.StorageError):
+        print(f"{folder}/{METRICS_FILE} names a --checkpoint_path that is not a path or URL we read "
+              f"({shown(written)}): not following it", file=sys.stderr)  # fmt: skip
+        return None
+    return written
+
+
+def _inside(target: str, folder: str) -> bool:
+    if storage.is_url(target):
+        return False
+    root = os.path.realpath(folder)
+    return os.path.commonpath([root, os.path.realpath(target)]) == root
 
 
 def _is_checkpoint(path: str) -> bool:
@@ -124,21 +163,23 @@ def _info_dict(i: CheckpointInfo) -> dict[str, Any]:
         "epoch": trainer.get("epoch"),
         "batch": trainer.get("batch"),
         "reason": (i.commit or {}).get("reason"),
+        "owner": (i.commit or {}).get("owner"),
     }
 
 
 def _inspect(ns: argparse.Namespace) -> int:
     ns.path = _checkpoint_at(ns.path)
     info = verify(ns.path) if ns.verify else inspect_checkpoint(ns.path)
-    out = _info_dict(info)
-    if not info.complete and info.commit is None and not storage.exists(storage.join(ns.path, ".metadata")):
+    if info.commit is None and (info.damaged or not storage.exists(storage.join(ns.path, ".metadata"))):
         print(f"torchrec-cloud checkpoint inspect: {ns.path}: {info.problem}", file=sys.stderr)
         return 1
     tensors: list[dict[str, Any]] = []
     try:
         metadata = read_metadata(ns.path, info.commit)
+    except CheckpointDamagedError as e:  # not DCP's index of these files: nothing of it is shown
+        info = info if info.damaged else info.as_damaged(f"{e.file}: {e.detail}")
     except CheckpointError as e:
-        out["problem"] = out["problem"] or str(e)
+        info = dataclasses.replace(info, problem=info.problem or str(e))
     else:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -148,11 +189,12 @@ def _inspect(ns: argparse.Namespace) -> int:
                     {"key": key, "shape": list(md.size), "dtype": str(md.properties.dtype).replace("torch.", ""),
                      "shards": len(md.chunks)}
                 )
+    out = _info_dict(info)
     out["tensors"] = tensors
     if ns.json:
         print(json.dumps(out))
         return 0 if info.complete else 1
-    for key in ("path", "step", "epoch", "batch", "world_size", "created", "reason"):
+    for key in ("path", "step", "epoch", "batch", "world_size", "owner", "created", "reason"):
         print(f"{key:<11} {out[key]}")
     print(f"{'size':<11} {_human(info.bytes)}" + (f" ({info.bytes} bytes)" if info.bytes is not None else ""))
     print(f"{'status':<11} " + _status(info, ns.verify))
@@ -164,6 +206,8 @@ def _inspect(ns: argparse.Namespace) -> int:
         if ns.verbose:
             for t in tensors:
                 print(f"  {t['key']}  {t['dtype']}{t['shape']}  shards={t['shards']}")
+    if info.damaged:
+        print(f"torchrec-cloud checkpoint inspect: error: {ns.path}: {_status(info)}", file=sys.stderr)
     return 0 if info.complete else 1
 
 

@@ -9,7 +9,8 @@ cloud profile from ``profiles/`` (data, not code) and a :class:`~.spec.DeploySpe
     make render        # regenerate the committed copies in quickstart/, aws/, azure/, gcp/, docker/
 
 Modules: ``spec`` (what to deploy), ``profiles`` (cloud data), ``manifests`` (Kubernetes),
+``schedulable`` (can the pods run where the guide's cluster has what they ask for),
 ``clusters`` (cluster configs, storage, launch scripts, docs), ``azureml`` and ``vertex``
-(managed training services), ``torchx_component`` (legacy TorchX), ``layout`` (the
-committed files), ``render`` and ``submit`` (the sub-commands).
+(managed training services; ``managed``: what they share), ``torchx_component`` (legacy
+TorchX), ``layout`` (the committed files), ``render`` and ``submit`` (the sub-commands).
 """

@@ -43,6 +43,10 @@ class Instance:
     """Memory of each GPU in GiB, for ``torchrec-cloud plan`` and the plan render makes first."""
     accelerator: str = ""
     vertex_accelerator: str = ""
+    fixed_gpus: bool = False
+    """The machine type comes with exactly ``gpus`` GPUs (GCP's A2/A3: "each A2/A3 machine type
+    has a fixed GPU count", Compute Engine's GPU machine types), so an API that takes an
+    accelerator count (Vertex AI's MachineSpec) refuses any other."""
     vcpus: int = 0
     memory: str = ""
     network: str = ""
@@ -50,6 +54,12 @@ class Instance:
     extra_resources: dict[str, int] = field(default_factory=dict)
     rdma_resources: dict[str, int] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
+
+    def capacity(self, resource: str, gpu_resource: str) -> int:
+        """How many of an extended resource one machine has (0: none)."""
+        if resource == gpu_resource:
+            return self.gpus
+        return {**self.extra_resources, **self.rdma_resources}.get(resource, 0)
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,10 @@ class Profile:
     object_store: str = ""
     request_rdma: bool = False
     placeholders: list[str] = field(default_factory=list)
+    gpu_nodes: Optional[dict[str, Any]] = None
+    node_daemons: list[dict[str, Any]] = field(default_factory=list)
+    extended_resource_toleration: bool = False
+    managed_training: Optional[dict[str, Any]] = None
 
     def instance(self, name: Optional[str] = None) -> Optional[Instance]:
         """The named instance type (default: the profile's), or None for a generic cluster."""

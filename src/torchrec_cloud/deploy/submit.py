@@ -50,7 +50,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     azure.add_argument("--subscription_id", help="Azure subscription id")
     azure.add_argument("--resource_group", help="resource group of the workspace (default: the profile's)")
     azure.add_argument("--workspace", help="Azure ML workspace name")
-    azure.add_argument("--compute", default="gpu-cluster", help="Azure ML compute cluster (default: gpu-cluster)")
+    azure.add_argument("--compute", help="Azure ML compute cluster, or serverless (default: gpu-cluster; with "
+                                          "--spot, serverless compute on the Spot tier)")
     vertex = parser.add_argument_group("vertex target")
     vertex.add_argument("--project", help="Google Cloud project (default: the profile's)")
     vertex.add_argument("--region", help="Vertex AI region (default: the profile's)")
@@ -104,6 +105,10 @@ def submit_azureml(spec: DeploySpec, ns: argparse.Namespace) -> int:
     from torchrec_cloud.deploy import azureml
 
     job = azureml.build_command_job(spec, compute=ns.compute)
+    if spec.spot and job.compute not in (None, azureml.SERVERLESS, f"azureml:{azureml.SERVERLESS}"):
+        print(f"torchrec-cloud submit: note: --spot on compute cluster {ns.compute}: Azure ML takes a job's priority "
+              "from its cluster, which must be a low-priority one (az ml compute create --tier low_priority)",
+              file=sys.stderr)
     if ns.dry_run:
         sys.stdout.write(azureml.dump_job(job))
         return 0
