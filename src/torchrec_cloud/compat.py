@@ -118,6 +118,20 @@ def _assigned_in(dotted: str, *attrs: str) -> Callable[[], None]:
     return check
 
 
+def _registers(dotted: str, *buffers: str) -> Callable[[], None]:
+    """That function registers these buffers (``register_buffer("name", ...)``)."""
+
+    def check() -> None:
+        source = inspect.getsource(_resolve(dotted))
+        missing = [b for b in buffers if f'"{b}"' not in source]
+        assert not missing, f"{dotted} no longer registers {', '.join(missing)}"
+
+    return check
+
+
+_TBE = "fbgemm_gpu.split_table_batched_embeddings_ops_training.SplitTableBatchedEmbeddingBagsCodegen"
+
+
 def _pinned(**expected: str) -> Callable[[], None]:
     """Each function's :func:`fingerprint` is what we audited our rewrite against."""
 
@@ -225,7 +239,8 @@ PRIVATE: tuple[Private, ...] = (
     Private(
         "fbgemm_gpu.split_embedding_codegen_lookup_invokers.lookup_rowwise_adagrad.invoke, "
         "the TBE's placeholder_autograd_tensor, ShardedEmbeddingBagCollection._lookups",
-        "speedups/rowwise_adagrad.py install: wraps the invoker, routes our TBEs' CPU lookups",
+        "speedups/rowwise_adagrad.py install: wraps the invoker, routes our TBEs' CPU lookups (the TBEs found by "
+        "compat.table_batched_modules, which train.py's compat.unlock_cache_rows reads too)",
         _all_of(_has("fbgemm_gpu.split_embedding_codegen_lookup_invokers.lookup_rowwise_adagrad", "invoke"),
                 _assigned_in("torchrec.distributed.embeddingbag.ShardedEmbeddingBagCollection.__init__", "_lookups"),
                 _assigned_in("fbgemm_gpu.split_table_batched_embeddings_ops_training.SplitTableBatchedEmbeddingBagsCodegen.__init__",
@@ -294,6 +309,14 @@ PRIVATE: tuple[Private, ...] = (
                 _has("torch.distributed.checkpoint._fsspec_filesystem.FileSystem", "create_stream", "rename")),
     ),
     Private(
+        "fbgemm SplitTableBatchedEmbeddingBagsCodegen cache-lock state (lock_cache_line, lxu_cache_locking_counter, "
+        "lxu_cache_locations_list, timesteps_prefetched)",
+        "train.py _evaluate (compat.unlock_cache_rows): the UVM cache rows an evaluation locked, unlocked",
+        _all_of(_assigned_in(f"{_TBE}.__init__", "lock_cache_line"),
+                _assigned_in(f"{_TBE}._apply_cache_state", "lxu_cache_locations_list", "timesteps_prefetched"),
+                _registers(f"{_TBE}._init_uvm_cache_counter", "lxu_cache_locking_counter")),
+    ),
+    Private(
         "torch.distributed._shard.sharded_tensor (Shard, ShardedTensor._init_from_local_shards_and_global_metadata, "
         "ShardedTensor._process_group)",
         "checkpoint/dcp.py private_copy: an asynchronous save's copy of the tables' shards",
@@ -306,6 +329,21 @@ PRIVATE: tuple[Private, ...] = (
         "checkpoint/checkpointer.py save (compat.already_staged): async save of a copy already made",
         _has("torch.distributed.checkpoint.staging.AsyncStager", "_synchronize_after_execute",
              "should_synchronize_after_execute"),
+    ),
+    Private(
+        "torch.distributed.checkpoint DefaultLoadPlanner.load_bytes (flatten_state_dict, original_state_dict, "
+        "mappings, state_dict), _traverse.set_element",
+        "checkpoint/dcp.py load_planner (compat.data_only_load_planner): non-tensor entries loaded as data only",
+        _all_of(_pinned(**{"torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.load_bytes": "3e1f1187575e6b10"}),
+                _assigned_in("torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.__init__",
+                             "flatten_state_dict", "original_state_dict", "mappings"),
+                _has("torch.distributed.checkpoint._traverse", "set_element")),
+    ),
+    Private(
+        "torch.distributed.checkpoint FileSystemReader.read_metadata (replaced), StorageMeta.load_id",
+        "checkpoint/dcp.py _reader_class: .metadata unpickled with an allowlist and checked, not pickle.load",
+        _all_of(_pinned(**{"torch.distributed.checkpoint.filesystem.FileSystemReader.read_metadata": "03bb3f8561a7c4b4"}),
+                _assigned_in("torch.distributed.checkpoint.filesystem.FileSystemReader.__init__", "load_id", "path")),
     ),
     Private(
         "torch.distributed.checkpoint state_dict_loader._load_state_dict, default_planner._EmptyStateDictLoadPlanner, "
@@ -428,16 +466,72 @@ def already_staged() -> Any:
     return AlreadyStaged()
 
 
-def load_whole(storage_reader: Any) -> dict[str, Any]:
+def table_batched_modules(model: Any) -> list:
+    """fbgemm's table-batched embedding modules (TBEs) of the sharded collections in ``model``
+    (a sharded model, or one TBE). A sharded collection keeps its lookups in a plain list
+    (``_lookups``), which ``modules()`` does not walk."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+
+    lookups = [lookup for m in model.modules() for lookup in getattr(m, "_lookups", None) or ()]
+    found = {id(m): m for root in (model, *lookups) for m in root.modules()}
+    return [m for m in found.values() if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen)]
+
+
+def unlock_cache_rows(model: Any) -> int:
+    """Unlock every UVM cache row of ``model``'s tables that no training batch holds; call it
+    with no batch in flight (the training pipeline drained). Returns how many of fbgemm's
+    table-batched modules (TBEs) lock rows.
+
+    A TBE built with ``prefetch_pipeline`` (``--prefetch_pipeline``) sets ``lock_cache_line``:
+    each prefetch raises the lock count of the cache slots it fills, and only the backward
+    pre-hook of the batch that used them lowers it (fbgemm-gpu 1.8.0
+    ``split_table_batched_embeddings_ops_training.py``: ``_prefetch`` through
+    ``lru_cache_populate``, ``_update_cache_counter_and_locations``). A forward without a
+    prefetch (evaluation) prefetches inline and has no backward, so its slots would stay
+    locked for good and training would read its misses from host memory. This is the reset
+    of TorchRec's ``memory_stashing.py`` (torchrec 1.8.0, ``restore``: prefetch lists
+    cleared, ``lxu_cache_locking_counter`` zeroed), without its cache invalidation: an
+    evaluation changes no row, so the cached rows stay valid."""
+    count = 0
+    for module in table_batched_modules(model):
+        if getattr(module, "lock_cache_line", False):
+            module.lxu_cache_locking_counter.zero_()
+            module.lxu_cache_locations_list.clear()
+            module.timesteps_prefetched.clear()
+            count += 1
+    return count
+
+
+def load_whole(storage_reader: Any, planner: Any) -> dict[str, Any]:
     """A whole DCP checkpoint in this one process, without a process group, as a flat dict
-    (what torch's ``dcp_to_torch_save`` does: an empty state dict that the planner fills from
-    the checkpoint's own index, where the public ``load()`` fills only keys it is given)."""
+    (what torch's ``dcp_to_torch_save`` does: an empty state dict that ``planner``, from
+    :func:`data_only_load_planner` with ``whole``, fills from the checkpoint's own index, where
+    the public ``load()`` fills only keys it is given)."""
     _need("torch.distributed.checkpoint state_dict_loader")
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=storage_reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    _load_state_dict(state, storage_reader=storage_reader, planner=planner, no_dist=True)
     flat, _ = flatten_state_dict(state)
     return flat
+
+
+def data_only_load_planner(load_object: Callable[[io.BytesIO, str], Any], whole: bool = False) -> Any:
+    """DCP's ``DefaultLoadPlanner`` (``whole``: its ``_EmptyStateDictLoadPlanner``, which builds
+    the state dict from the checkpoint's index) whose non-tensor entries load through
+    ``load_object(bytes, fqn)``: torch 2.13's ``load_bytes`` loads them with
+    ``torch.load(weights_only=False)``, which runs whatever the bytes name. This is that method
+    with the loader swapped (pinned: an upgrade that changes it is audited here)."""
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+
+    class DataOnlyLoadPlanner(_EmptyStateDictLoadPlanner if whole else DefaultLoadPlanner):  # type: ignore[misc]
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            loaded = load_object(value, read_item.dest_index.fqn)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    return DataOnlyLoadPlanner()

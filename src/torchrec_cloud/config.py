@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
+import re
 import sys
 import types
 import typing
@@ -265,6 +267,11 @@ class TrainConfig:
     """Passes over the training data."""
     eval_every: int = 0
     """Evaluate on the validation split every this many steps (0: only at the end)."""
+    eval_rows: int = 131_072
+    """Rows an --eval_every evaluation scores: a fixed sample of the validation split (the
+    same rows each time and on any number of ranks), so that evaluating does not outweigh
+    training on a large split; the evaluation at the end scores the whole split. 0: the
+    whole split every time."""
     log_every: int = 10
     """Write a train record (loss, samples/s) every this many steps."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -272,9 +279,10 @@ class TrainConfig:
     num_threads: int = 0
     """CPU threads per rank; 0 divides the machine's cores among the local ranks."""
     precision: Precision = "fp32"
-    """Dense compute (training and evaluation): ``fp32``; ``tf32`` (CUDA matmuls in TF32,
-    same as fp32 on CPU); ``bf16`` (bfloat16 autocast of the MLPs; the tables, the
-    optimizer state, the dot interaction and the loss stay float32)."""
+    """Dense compute of the training step: ``fp32``; ``tf32`` (CUDA matmuls in TF32, same
+    as fp32 on CPU); ``bf16`` (bfloat16 autocast of the MLPs; the tables, the optimizer
+    state, the dot interaction and the loss stay float32). Evaluations score float32
+    logits either way, as an exported model does."""
     pg_timeout_s: int = field(default_factory=lambda: _env_int("pg_timeout_s", "TORCHREC_CLOUD_PG_TIMEOUT_S", 1800))
     """Seconds a collective may wait for another rank before the run fails (default 1800,
     or TORCHREC_CLOUD_PG_TIMEOUT_S)."""
@@ -297,6 +305,7 @@ class TrainConfig:
             _positive("sigterm_grace_s", self.sigterm_grace_s)
         _positive("num_epochs", self.num_epochs)
         _positive("eval_every", self.eval_every, allow_zero=True)
+        _positive("eval_rows", self.eval_rows, allow_zero=True)
         _positive("log_every", self.log_every)
         _positive("num_threads", self.num_threads, allow_zero=True)
         _positive("pg_timeout_s", self.pg_timeout_s)
@@ -374,8 +383,9 @@ class OutputConfig:
     prometheus_port: Optional[int] = None
     """Serve Prometheus metrics over HTTP: rank r listens on this port + its local rank
     (off when not given)."""
-    metrics_host: str = "0.0.0.0"
-    """Address the Prometheus endpoint binds to (0.0.0.0: reachable by the cluster's collector)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the Prometheus endpoint binds to: this machine only by default (process and host
+    gauges are not for the network); 0.0.0.0 for a cluster's collector (rendered manifests pass it)."""
     system_metrics_interval: float = 5.0
     """Seconds between samples of GPU (NVML) and host CPU/memory gauges for Prometheus."""
     prometheus_linger: float = 0.0
@@ -395,6 +405,10 @@ class OutputConfig:
         _positive("prometheus_linger", self.prometheus_linger, allow_zero=True)
 
 
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,127}")
+"""What a job id (``--job_id``, recorded in every checkpoint it writes) may be."""
+
+
 @dataclass
 class CheckpointConfig:
     """Sharded checkpoints (torch.distributed.checkpoint) to a folder or a bucket, and resuming."""
@@ -411,8 +425,8 @@ class CheckpointConfig:
     checkpoint_keep: int = 3
     """Keep the newest this many complete checkpoints, deleting older ones (0: keep all)."""
     resume_from: Optional[str] = None
-    """Resume from this checkpoint (a step_NNNNNNNN folder, or a folder of them: its newest
-    complete one) instead of the newest under --checkpoint_path."""
+    """Resume from this checkpoint (a step_NNNNNNNN folder, a folder of them or a run folder:
+    its newest complete one) instead of the newest under --checkpoint_path."""
     async_checkpoint: bool = False
     """Write checkpoints in a background thread; training waits only while the state is
     copied in memory."""
@@ -423,8 +437,15 @@ class CheckpointConfig:
     """Give up for good (exit 2) when a start resumes from the same checkpoint step as the
     previous this many starts: an eviction or crash loop that never saves a newer
     checkpoint (the starts are listed in attempts.jsonl beside the checkpoints; 0: never)."""
+    job_id: Optional[str] = None
+    """The job whose checkpoints these are: a run never overwrites or deletes another job's
+    checkpoints, and will not start on a --checkpoint_path that holds them. Default:
+    $TORCHREC_CLOUD_JOB_ID, else torchrun's --rdzv_id when named (the rendered manifests name
+    the job), else the job of the checkpoint this run resumes, else a new one."""
 
     def __post_init__(self) -> None:
+        if self.job_id is not None and not JOB_ID.fullmatch(self.job_id):
+            raise ConfigError("job_id", f"must be 1 to 128 letters, digits or ._:@/+- , got {self.job_id!r}")
         _positive("checkpoint_interval", self.checkpoint_interval, allow_zero=True)
         _positive("checkpoint_every_s", self.checkpoint_every_s, allow_zero=True)
         _positive("no_progress_restarts", self.no_progress_restarts, allow_zero=True)
@@ -598,6 +619,7 @@ def _with_defaults(formatter: type) -> type:
     return WithDefaults
 
 
+@functools.lru_cache(maxsize=None)  # a class's source is read and parsed once, not per parser built
 def _field_docs(cls: type) -> dict[str, str]:
     """Field docstrings (the string literal after each field) of a dataclass."""
     import ast
@@ -644,8 +666,10 @@ def flag_kwargs(tp: Any) -> dict[str, Any]:
     return {"type": tp}
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """Add ``--preset`` and one flag per leaf of :class:`JobConfig` (defaults: the preset's)."""
+def add_config_flags(parser: argparse.ArgumentParser, shown: Optional[Callable[[str, str], bool]] = None) -> None:
+    """Add ``--preset`` and one flag per leaf of :class:`JobConfig` (defaults: the preset's).
+    With ``shown``, ``--help`` lists only the flags for which ``shown(section, field)`` is
+    true; every flag is still accepted."""
     parser.add_argument(
         "--preset",
         choices=sorted(PRESETS),
@@ -657,11 +681,14 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     for section in SECTIONS:
         cls = typing.get_type_hints(JobConfig)[section]
         docs = _field_docs(cls)
-        group = parser.add_argument_group(section, cls.__doc__)
+        listed = shown is None or any(shown(section, f.name) for f in dataclasses.fields(cls))
+        group = parser.add_argument_group(section, cls.__doc__) if listed else parser
         for f in dataclasses.fields(cls):
             tp = hints_by_section[section][f.name]
             values = {name: getattr(getattr(cfg, section), f.name) for name, cfg in presets.items()}
             text = f"{docs.get(f.name, '')} {_preset_defaults(values)}".replace("%", "%%")
+            if shown is not None and not shown(section, f.name):
+                text = argparse.SUPPRESS
             kwargs = {"default": argparse.SUPPRESS, "help": text, **flag_kwargs(tp)}
             group.add_argument(f"--{f.name}", **kwargs)
 

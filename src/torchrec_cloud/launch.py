@@ -30,8 +30,8 @@ The c10d store lives in node 0's agent; torchrun guesses whether that is this no
 comparing the endpoint with the host's names, which misses the short DNS names pods
 resolve each other by. Where the controller says which node this is
 (``TORCHREC_CLOUD_NODE_RANK``, the Indexed Job's ``JOB_COMPLETION_INDEX``, Kubeflow
-Trainer's ``PET_NODE_RANK``, Azure ML's and Vertex AI's ``NODE_RANK``), ``is_host`` is set
-from it.
+Trainer's ``PET_NODE_RANK``, Azure ML's and Vertex AI's ``NODE_RANK``, AWS Batch's
+``AWS_BATCH_JOB_NODE_INDEX``), ``is_host`` is set from it.
 """
 
 from __future__ import annotations
@@ -63,7 +63,9 @@ _OUTCOME = "exit-code"  # the code a worker asked for, and why
 _RUN = "run.json"  # written by the trainer when it starts: where its checkpoints go
 _FINISHED = "finished"  # written by the trainer when the run finished
 LOST_PEER = "lost peer"  # how a pod ended for a lost peer starts its reason
-_NODE_RANK_ENVS = ("TORCHREC_CLOUD_NODE_RANK", "JOB_COMPLETION_INDEX", "PET_NODE_RANK", "NODE_RANK")
+# AWS Batch sets AWS_BATCH_JOB_NODE_INDEX on every node of a multi-node parallel job.
+_NODE_RANK_ENVS = ("TORCHREC_CLOUD_NODE_RANK", "JOB_COMPLETION_INDEX", "PET_NODE_RANK", "NODE_RANK",
+                   "AWS_BATCH_JOB_NODE_INDEX")
 DEFAULT_PEER_TIMEOUT_S = 30.0
 
 
@@ -285,6 +287,21 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
+_PEER_TIMEOUT_HELP = (f"seconds without a peer pod's heartbeat before this pod exits {EXIT_PREEMPTED} (0: do not "
+                      f"watch; default: {DEFAULT_PEER_TIMEOUT_S:g})")
+
+
+def torchrun_parser() -> argparse.ArgumentParser:
+    """torchrun's own flags, and the one ``launch`` adds (``--peer_timeout_s``)."""
+    from torch.distributed import run as torchrun
+
+    parser = torchrun.get_args_parser()
+    parser.allow_abbrev = False  # `--nnode=2` is refused, as every flag of ours
+    parser.add_argument("--peer_timeout_s", "--peer-timeout-s", type=float, default=DEFAULT_PEER_TIMEOUT_S,
+                        help=f"torchrec-cloud: {_PEER_TIMEOUT_HELP}")
+    return parser
+
+
 def main(argv: list[str]) -> int:
     """Run torchrun with ``argv`` (its flags, then the command) in this process; returns the
     pod's exit code (module docstring)."""
@@ -293,12 +310,7 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousConnectionError
 
-    parser = torchrun.get_args_parser()
-    parser.allow_abbrev = False  # `--nnode=2` is refused, as every flag of ours
-    parser.add_argument("--peer_timeout_s", "--peer-timeout-s", type=float, default=DEFAULT_PEER_TIMEOUT_S,
-                        help="torchrec-cloud: seconds without a peer pod's heartbeat before this pod exits "
-                             f"{EXIT_PREEMPTED} (0: do not watch; default: {DEFAULT_PEER_TIMEOUT_S:g})")  # fmt: skip
-    args = parser.parse_args(argv)
+    args = torchrun_parser().parse_args(argv)
     _set_is_host(args)
 
     def terminate(signum, frame):  # until torchrun's agent installs its own, which does the same
@@ -378,5 +390,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         prefix_chars="\0",  # every word goes to torchrun, --help included
     )
     parser.add_argument("torchrun_args", nargs=argparse.REMAINDER)
-    parser.set_defaults(func=lambda ns: main(ns.torchrun_args))
+    parser.set_defaults(func=lambda ns: _help(parser) if ns.torchrun_args[:1] in (["-h"], ["--help"]) else
+                        main(ns.torchrun_args))  # fmt: skip
     return parser
+
+
+def _help(parser: argparse.ArgumentParser) -> int:
+    """``launch --help``: what it adds to torchrun (the exit codes), and where torchrun's own
+    flags are listed; every one of them is taken here as torchrun takes it."""
+    print(f"usage: {parser.prog} [TORCHRUN FLAGS] (-m MODULE | SCRIPT) [ARGS ...]\n")
+    print(parser.description)
+    print("Flags: every flag of torchrun, as torchrun takes it (`torchrun --help` lists them), and one\n"
+          f"of its own:\n\n  --peer_timeout_s S   {_PEER_TIMEOUT_HELP}\n\n"
+          "The rendered pods set --nnodes, --nproc_per_node, --rdzv_backend, --rdzv_endpoint, --rdzv_id,\n"
+          "--max_restarts, --shutdown_timeout and --peer_timeout_s.")
+    return EXIT_OK

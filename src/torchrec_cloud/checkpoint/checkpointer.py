@@ -63,7 +63,9 @@ import datetime
 import json
 import os
 import sys
+import re
 import time
+import uuid
 import warnings
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -71,9 +73,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from torchrec_cloud import checksum, storage
 from torchrec_cloud.checkpoint.dcp import (
     load_error,
+    load_planner,
     metadata_problem,
     private_copy,
     reader,
+    rng_keys,
+    rng_state,
     set_rng_state,
     training_state,
     writer,
@@ -81,21 +86,28 @@ from torchrec_cloud.checkpoint.dcp import (
 from torchrec_cloud.checkpoint.store import (
     COMMIT_FILE,
     FORMAT_VERSION,
+    OWNER_FILE,
     CheckpointDamagedError,
     CheckpointError,
     CheckpointInfo,
     CheckpointWarning,
     apply_retention,
     checkpoint_name,
+    inspect_checkpoint,
+    list_checkpoints,
     newest_complete,
+    recorded_owner,
     resolve,
     warn_skipped,
+    write_owner,
 )
 from torchrec_cloud.compat import already_staged
-from torchrec_cloud.config import ConfigError, JobConfig
+from torchrec_cloud.config import JOB_ID, ConfigError, JobConfig
+from torchrec_cloud.untrusted import shown
 
 ATTEMPTS_FILE = "attempts.jsonl"  # beside the checkpoints: one line per start
 _KEEP_ATTEMPTS = 100
+_ATTEMPT_LINE_BYTES = 4096  # a line we write is about 100 bytes
 TEST_SAVE_DELAY_ENV = "TORCHREC_CLOUD_TEST_SAVE_DELAY_S"
 
 if TYPE_CHECKING:  # torch loads only where a command needs it: `checkpoint ls` does not
@@ -126,6 +138,59 @@ class NoProgressError(ConfigError):
         self.flag = "no_progress_restarts"
 
 
+def read_attempts(root: str) -> list[dict[str, Any]]:
+    """The starts ``root``'s ``attempts.jsonl`` records, oldest first, each checked field by field.
+
+    The file lies in the checkpoint bucket, which others may write: it is read as untrusted
+    input (at most :data:`_KEEP_ATTEMPTS` lines of :data:`_ATTEMPT_LINE_BYTES`, typed fields).
+    A line that is not a start as we write it is left out with one warning naming the file,
+    the line and the field, and the rewrite drops it: the file only counts restarts, so a
+    damaged one costs at most a few more restarts of a loop, where refusing to start (exit 2,
+    for good) would let it stop a healthy job. A file too large to be ours is ignored whole."""
+    import io
+
+    from torchrec_cloud.untrusted import Fields, UntrustedInputError, capped_lines, local_member, read_capped
+
+    def ignored(where: str, problem: str) -> None:
+        warnings.warn(f"{where}: {problem}; the restart budget (--no_progress_restarts) does without it",
+                      CheckpointWarning, stacklevel=3)  # fmt: skip
+
+    path = storage.join(root, ATTEMPTS_FILE)
+    try:
+        local_member(root, ATTEMPTS_FILE, path, "")
+        data = read_capped(path, _KEEP_ATTEMPTS * _ATTEMPT_LINE_BYTES)
+    except storage.StorageNotFoundError:
+        return []
+    except UntrustedInputError as e:
+        ignored(str(e), "not a record of starts")
+        return []
+    kept: list[dict[str, Any]] = []
+    for number, line in enumerate(capped_lines(io.BytesIO(data), _ATTEMPT_LINE_BYTES), 1):
+        where = f"{path}:{number}"
+        try:
+            if line is None:
+                raise UntrustedInputError(where, "", f"is longer than {_ATTEMPT_LINE_BYTES} bytes")
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except (ValueError, RecursionError):
+                raise UntrustedInputError(where, "", "is not a JSON object") from None
+            fields = Fields(record, where)
+            entry: dict[str, Any] = {"resumed_from": fields.int("resumed_from")}
+            entry["time"] = fields.text("time", max_len=40, optional=True)
+            entry["world_size"] = fields.int("world_size", lo=1, hi=1 << 20, optional=True)
+            job = fields.text("job", max_len=128, optional=True)
+            if job is not None and not JOB_ID.fullmatch(job):
+                raise UntrustedInputError(where, "job", f"must be a job id (--job_id), got {shown(job)}")
+            entry["job"] = job
+        except UntrustedInputError as e:
+            ignored(str(e), "line left out")
+            continue
+        kept.append({k: v for k, v in entry.items() if v is not None})
+    return kept
+
+
 def _test_save_delay() -> float:
     try:
         return max(float(os.environ.get(TEST_SAVE_DELAY_ENV) or 0), 0.0)
@@ -139,9 +204,10 @@ def _one_line(text: str, limit: int = 600) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _agree(env, fn: Callable[[], Any], flag: str) -> Any:
+def _agree(env, fn: Callable[[], Any], flag: str, storage_errors_are_flags: bool = True) -> Any:
     """Run ``fn`` on rank 0 and hand its result, or its error, to every rank, so a bad
-    path fails all ranks at start-up instead of leaving some waiting in a collective."""
+    path fails all ranks at start-up instead of leaving some waiting in a collective (a
+    storage error is one of ``flag``'s at start-up; later it stays a storage error)."""
     from torchrec_cloud import comm
 
     box: list[Any] = [None]
@@ -153,17 +219,40 @@ def _agree(env, fn: Callable[[], Any], flag: str) -> Any:
         except ConfigError as e:
             box[0] = ("config", e.flag, str(e).split(": ", 1)[-1])
         except storage.StorageError as e:
-            box[0] = ("config", flag, _one_line(str(e)))
+            box[0] = ("config", flag, _one_line(str(e))) if storage_errors_are_flags else ("storage", e)
         except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks too
             box[0] = ("error", f"{type(e).__name__}: {e}")
     result = comm.broadcast_object(box[0], src=0)
     if result[0] == "no progress":
         raise NoProgressError(result[1])
+    if result[0] == "storage":
+        raise result[1]
     if result[0] == "config":
         raise ConfigError(result[1], result[2])
     if result[0] == "error":
         raise CheckpointError(f"rank 0 could not find the checkpoint to resume: {result[1]}")
     return result[1]
+
+
+_RANDOM_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def named_job_id(flag: Optional[str]) -> Optional[str]:
+    """The job id this run was given: ``--job_id``, else ``$TORCHREC_CLOUD_JOB_ID``, else
+    torchrun's rendezvous id when one was named (``--rdzv_id``; not its default ``none``, nor
+    the random one torchrun makes for a single-node run). None: no name was given."""
+    if flag:
+        return flag
+    from_env = os.environ.get("TORCHREC_CLOUD_JOB_ID", "")
+    if from_env:
+        if not JOB_ID.fullmatch(from_env):
+            raise ConfigError("job_id", f"$TORCHREC_CLOUD_JOB_ID must be 1 to 128 letters, digits or ._:@/+- , "
+                              f"got {shown(from_env)}")  # fmt: skip
+        return from_env
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id != "none" and JOB_ID.fullmatch(run_id) and not _RANDOM_ID.fullmatch(run_id):
+        return run_id
+    return None
 
 
 @dataclasses.dataclass
@@ -203,6 +292,7 @@ class Checkpointer:
         if self.root is not None:
             self._check_writable()
         self.resume_target: Optional[CheckpointInfo] = _agree(env, self._find_resume_target, "checkpoint_path")
+        self.owner: Optional[str] = _agree(env, self._find_owner, "checkpoint_path") if self.root is not None else None
         if self.resume_target is not None:
             self._check_compatible(self.resume_target)
             if self.resume_target.commit is not None:
@@ -264,18 +354,13 @@ class Checkpointer:
 
     def _record_start(self) -> None:
         """Append this start to ``attempts.jsonl``; refuse it when the previous
-        ``--no_progress_restarts`` starts resumed from the same step (rank 0)."""
+        ``--no_progress_restarts`` starts of this job resumed from the same step (rank 0)."""
         path = storage.join(self.root, ATTEMPTS_FILE)
-        try:
-            lines = storage.read_bytes(path).decode(errors="replace").splitlines()
-        except storage.StorageNotFoundError:
-            lines = []
-        history = []
-        for line in lines:
-            try:
-                history.append(int(json.loads(line)["resumed_from"]))
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut short by a kill: the others still count
+        named = named_job_id(self.ck.job_id)
+        kept = read_attempts(self.root)
+        # Another named job's starts are not this one's (a job that never saved leaves no
+        # checkpoint to tell the owner by); an unnamed start counts every recorded one.
+        history = [a["resumed_from"] for a in kept if named is None or a.get("job") in (None, named)]
         step = (self.resume_target.step or 0) if self.resume_target is not None else 0
         k = self.ck.no_progress_restarts
         # The end of a finished run: a start from it only evaluates, however often it runs.
@@ -291,9 +376,50 @@ class Checkpointer:
             "resumed_from": step,
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "world_size": self.env.world_size,
+            **({"job": named} if named is not None else {}),
         }
-        lines = [*lines[-(_KEEP_ATTEMPTS - 1):], json.dumps(entry)]
+        lines = [json.dumps(a) for a in [*kept[-(_KEEP_ATTEMPTS - 1):], entry]]
         storage.write_bytes(path, ("\n".join(lines) + "\n").encode())
+
+    def _find_owner(self) -> str:
+        """The job id this run records in its checkpoints (see --job_id). A named job does not
+        start on a --checkpoint_path that holds another job's checkpoints; an unnamed one
+        continues the job of the checkpoint it resumes (a restart, or the same command again)."""
+        assert self.root is not None
+        named = named_job_id(self.ck.job_id)
+        found = [(i, recorded_owner(i)) for i in list_checkpoints(self.root) if i.complete]
+        if named is None:
+            target = self.resume_target
+            if target is not None and self._is_ours(target) and recorded_owner(target):
+                return recorded_owner(target)  # type: ignore[return-value]
+            owned = [owner for _, owner in found if owner]
+            return owned[-1] if owned else uuid.uuid4().hex[:16]
+        others = [(i, owner) for i, owner in found if owner and owner != named]
+        if others:
+            info, other = others[-1]
+            raise ConfigError(
+                "checkpoint_path",
+                f"{self.root} holds checkpoints of job {shown(other)} ({info.name}); this is job {named}: give each "
+                f"job its own --checkpoint_path (or --job_id {shown(other)} to continue that job)",
+            )
+        return named
+
+    def _claim(self, path: str) -> None:
+        """Rank 0, before a save: clear ``path`` (the leftovers of a save that never committed, or
+        this job's own checkpoint of that step) and mark it as this job's. Another job's
+        checkpoint there, committed or being written, is never deleted: a ConfigError instead."""
+        if storage.exists(path):
+            info = inspect_checkpoint(path)
+            other = recorded_owner(info)
+            if other is not None and other != self.owner:
+                state = "was committed" if info.complete else "is being written"
+                raise ConfigError(
+                    "checkpoint_path",
+                    f"{path} {state} by job {shown(other)}; this job ({self.owner}) does not overwrite or delete "
+                    "another job's checkpoint: give each job its own --checkpoint_path",
+                )
+            storage.remove(path, recursive=True)
+        write_owner(path, self.owner or "")
 
     def _check_compatible(self, info: CheckpointInfo) -> None:
         saved = (info.commit or {}).get("config", {}).get("model")
@@ -342,12 +468,11 @@ class Checkpointer:
     def _load(self, info: CheckpointInfo, dmp: torch.nn.Module, optimizer: Any, scheduler: Any) -> Position:
         from torch.distributed.checkpoint import CheckpointException, load
 
-        source = reader(info.path, info.commit if self.verifies(info) else None)
+        source = reader(info.path, info.commit, checksums=self.verifies(info))
         metadata = source.read_metadata()
-        rng_key = f"rng.rank_{self.env.rank}.torch"
-        state = training_state(dmp, optimizer, self.env.rank, with_rng=rng_key in metadata.state_dict_metadata)
+        state = training_state(dmp, optimizer, self.env.rank, rng_keys(metadata, self.env.rank, self.env.device))
         try:
-            load(state, storage_reader=source)
+            load(state, storage_reader=source, planner=load_planner(info.path))
         except CheckpointDamagedError:
             raise
         except (CheckpointException, Exception) as e:
@@ -357,7 +482,7 @@ class Checkpointer:
         trainer = info.commit["trainer"]
         scheduler.load_state_dict(trainer["scheduler"])
         if "rng" in state:
-            set_rng_state(state["rng"][f"rank_{self.env.rank}"])
+            set_rng_state(state["rng"][f"rank_{self.env.rank}"], self.env.device)
         self._last_step = int(trainer["step"]) if self._is_ours(info) else None
         return Position(int(trainer["step"]), int(trainer["epoch"]), int(trainer["batch"]))
 
@@ -416,16 +541,14 @@ class Checkpointer:
 
         start = time.perf_counter()
         path = storage.join(self.root, checkpoint_name(position.step))
-        if self.env.is_main and storage.exists(path):
-            storage.remove(path, recursive=True)  # leftovers of a save that never committed
-        comm.barrier()
+        _agree(self.env, lambda: self._claim(path), "checkpoint_path", storage_errors_are_flags=False)
         trainer = {
             "step": position.step,
             "epoch": position.epoch,
             "batch": position.batch,
             "scheduler": scheduler.state_dict(),
         }
-        state = training_state(dmp, optimizer, self.env.rank)
+        state = training_state(dmp, optimizer, self.env.rank, rng_state(self.env.device))
         files = writer(path, checksums=self.ck.checkpoint_checksums)
         self._last_step = position.step
         try:
@@ -500,7 +623,7 @@ class Checkpointer:
         files = {
             name: storage.size(storage.join(path, name))
             for name in storage.listdir(path)
-            if name != COMMIT_FILE and not name.startswith(".tmp-")
+            if name not in (COMMIT_FILE, OWNER_FILE) and not name.startswith(".tmp-")
         }
         total = sum(files.values())
         commit: dict[str, Any] = {
@@ -515,12 +638,13 @@ class Checkpointer:
             "files": files,
             "trainer": trainer,
             "config": self.cfg.to_dict(),
+            "owner": self.owner,
         }
         written = files_writer.file_checksums()
         if written is not None:
             commit["checksums"] = _checksums(path, files, written)
         storage.write_bytes(storage.join(path, COMMIT_FILE), json.dumps(commit, indent=1).encode())
-        deleted = apply_retention(self.root, self.ck.checkpoint_keep)
+        deleted = apply_retention(self.root, self.ck.checkpoint_keep, self.owner)
         self.sink.log(
             {
                 "event": "checkpoint",

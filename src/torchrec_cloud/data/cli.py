@@ -16,7 +16,7 @@ import argparse
 import sys
 from typing import Any, Optional
 
-from torchrec_cloud import storage
+from torchrec_cloud import counted, storage
 from torchrec_cloud.config import ConfigError
 from torchrec_cloud.data.criteo_format import CAT_FEATURES
 from torchrec_cloud.data.criteo_parse import PreprocessError
@@ -75,11 +75,12 @@ def cmd_preprocess(ns: argparse.Namespace) -> int:
         return 1
     m = result.manifest
     if result.already_complete:
-        print(f"{ns.output} is already complete ({m['rows']} rows in {len(m['shards'])} shards); nothing to do")
+        print(f"{ns.output} is already complete ({counted(m['rows'], 'row')} in {counted(len(m['shards']), 'shard')}); "
+              "nothing to do")
         return 0
     rate = m["rows"] / result.seconds if result.seconds > 0 else float("nan")
     print(
-        f"wrote {m['rows']} rows in {len(m['shards'])} shards to {ns.output} "
+        f"wrote {counted(m['rows'], 'row')} in {counted(len(m['shards']), 'shard')} to {ns.output} "
         f"({result.seconds:.1f}s, {rate:,.0f} rows/s; train {sum(e - s for _, s, e in m['splits']['train'])}, "
         f"val {sum(e - s for _, s, e in m['splits']['val'])}, test {sum(e - s for _, s, e in m['splits']['test'])})"
     )
@@ -107,12 +108,13 @@ def cmd_verify(ns: argparse.Namespace) -> int:
     for problem in report["problems"]:
         print(f"torchrec-cloud data verify: error: {problem}", file=sys.stderr)
     if report["problems"]:
-        print(f"{len(report['problems'])} of {report['shards']} shards under {ns.path} are damaged or missing; "
+        print(f"{len(report['problems'])} of {counted(report['shards'], 'shard')} under {ns.path} are damaged or missing; "
               "preprocess again, or copy them again", file=sys.stderr)  # fmt: skip
         return 1
     unchecked = report["shards"] - report["checked"]
     note = f"; {unchecked} have no checksum in the manifest (sizes checked only)" if unchecked else ""
-    print(f"ok: {report['shards']} shards, {report['bytes']:,} bytes under {ns.path} match their manifest{note}")
+    print(f"ok: {counted(report['shards'], 'shard')}, {report['bytes']:,} bytes under {ns.path} match their "
+          f"manifest{note}")
     return 0
 
 

@@ -20,7 +20,8 @@ How rows reach ranks (``W`` ranks, batch ``B``, ``T`` training rows):
 - Evaluation (``val``, ``test``): the split's rows are divided between ranks as evenly
   as possible (counts differ by at most one); every rank yields the same number of
   batches, the last ones padded, with ``valid_rows`` saying how many rows count. Every row
-  of the split is scored exactly once.
+  of the split is scored exactly once. A sample (``--eval_rows``) is a fixed set of
+  8192-row blocks spread evenly over the split, divided between ranks the same way.
 - Resume: ``train_batches(epoch, start_batch)`` starts at any batch, with the same rows in
   the same order as an uninterrupted epoch.
 
@@ -39,11 +40,10 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 import torch
 from torchrec.datasets.utils import Batch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_cloud import storage
 from torchrec_cloud.config import ConfigError, JobConfig
-from torchrec_cloud.data import DataSource
+from torchrec_cloud.data import DataSource, keyed_jagged_tensor
 from torchrec_cloud.data.criteo_format import (
     CAT_FEATURES,
     INT_FEATURES,
@@ -55,6 +55,7 @@ from torchrec_cloud.data.criteo_format import (
 )
 
 SHUFFLE_BLOCK_ROWS = 8192
+SAMPLE_BLOCK_ROWS = 8192  # --eval_rows: the sample's contiguous blocks
 WINDOW_ROWS = 1 << 18
 IO_THREADS = 4
 
@@ -82,6 +83,20 @@ class _Split:
         return out
 
 
+def _sample(split: _Split, rows: int) -> _Split:
+    """About ``rows`` rows of ``split`` (fewer than it has) in blocks of at most
+    SAMPLE_BLOCK_ROWS spread evenly over it: block j is the start of the j-th of k equal parts.
+    A split read in file order is in time order (a day's log), so a sample of its first rows
+    would see one hour; a few contiguous blocks keep the reads few and large."""
+    k = math.ceil(rows / SAMPLE_BLOCK_ROWS)
+    segments = []
+    for j in range(k):
+        start, end = split.rows * j // k, split.rows * (j + 1) // k
+        take = min(rows * (j + 1) // k - rows * j // k, end - start)
+        segments.extend(list(r) for r in split.ranges(start, start + take))
+    return _Split(segments)
+
+
 class CriteoSource(DataSource):
     """Batches of preprocessed Criteo shards for one rank (see the module docstring)."""
 
@@ -100,7 +115,10 @@ class CriteoSource(DataSource):
         multi_hot_pooling: str = "fixed",
         window_rows: int = WINDOW_ROWS,
         io_threads: int = IO_THREADS,
+        splits: Sequence[str] = ("train", "val", "test"),
     ) -> None:
+        """``splits``: the splits that must have rows (``predict`` needs only the one it scores;
+        with ``train`` among them, at least one batch per rank)."""
         self.path = path
         self.manifest = manifest = load_manifest(path)
         self.batch_size = batch_size
@@ -139,12 +157,12 @@ class CriteoSource(DataSource):
             [source_min[s["source"]] - 2 for s in manifest["shards"]], dtype=np.int64
         )
         self.splits = {name: _Split(segs) for name, segs in manifest["splits"].items()}
-        for name in ("train", "val", "test"):
+        for name in splits:
             if self.splits[name].rows == 0:
                 raise ConfigError("dataset_path", f"{path}: the {name} split has no rows")
         train_rows = self.splits["train"].rows
         self.batches_per_rank = train_rows // (world_size * batch_size)
-        if self.batches_per_rank == 0:
+        if self.batches_per_rank == 0 and "train" in splits:
             raise ConfigError(
                 "batch_size",
                 f"{path} has {train_rows} training rows, fewer than one batch per rank "
@@ -177,10 +195,13 @@ class CriteoSource(DataSource):
                     yield self._batch(records[i : i + b], shift[i : i + b], (epoch, index))
                 index += 1
 
-    def eval_batches(self, split: str) -> Iterator[tuple[Batch, int]]:
-        if split not in self.splits:  # "train" too: `predict --split all` scores every row
-            raise ValueError(f"no split {split!r} in {self.path}")
-        rows = self.splits[split].rows
+    def num_eval_rows(self, split: str) -> int:
+        return self._held_out(split).rows
+
+    def eval_batches(self, split: str, rows: Optional[int] = None) -> Iterator[tuple[Batch, int]]:
+        whole = self._held_out(split)
+        part = whole if rows is None or rows >= whole.rows else _sample(whole, rows)
+        rows = part.rows
         ws, b = self.world_size, self.batch_size
         base, extra = divmod(rows, ws)
         lo = self.rank * base + min(self.rank, extra)
@@ -189,7 +210,7 @@ class CriteoSource(DataSource):
         windows = []
         for w, start in enumerate(range(0, mine, self.window_rows)):
             end = min(start + self.window_rows, mine)
-            windows.append((w, start, end, self._split_ranges(split, lo + start, lo + end)))
+            windows.append((w, start, end, part.ranges(lo + start, lo + end)))
         produced = 0
         for (_, start, end, _), (records, shift) in zip(windows, self._prefetch(windows)):
             for i in range(0, end - start, b):
@@ -206,6 +227,11 @@ class CriteoSource(DataSource):
                 pad = self._batch(np.zeros(b, self.dtype), np.full(b, -2, np.int64), None)
             yield pad, 0
             produced += 1
+
+    def _held_out(self, split: str) -> _Split:
+        if split not in self.splits:  # "train" too: `predict --split all` scores every row
+            raise ValueError(f"no split {split!r} in {self.path}")
+        return self.splits[split]
 
     # -- row order and reads -------------------------------------------------------------
 
@@ -322,11 +348,8 @@ class CriteoSource(DataSource):
                 ids_t, self.multi_hot_sizes, self.table_sizes.tolist(), g, self.multi_hot_pooling
             )
         else:
-            sparse = KeyedJaggedTensor(
-                keys=SPARSE_NAMES,
-                values=ids_t.t().contiguous().view(-1),
-                lengths=torch.ones(b * CAT_FEATURES, dtype=torch.int32),
-                stride=b,
+            sparse = keyed_jagged_tensor(
+                SPARSE_NAMES, ids_t.t().contiguous().view(-1), torch.ones(b * CAT_FEATURES, dtype=torch.int32), b
             )
         return Batch(
             dense_features=torch.from_numpy(dense),
@@ -335,8 +358,11 @@ class CriteoSource(DataSource):
         )
 
 
-def build_criteo_source(cfg: JobConfig, rank: int, world_size: int) -> CriteoSource:
-    """The data source for ``--dataset_path`` (called by the training loop on every rank)."""
+def build_criteo_source(
+    cfg: JobConfig, rank: int, world_size: int, splits: Sequence[str] = ("train", "val", "test")
+) -> CriteoSource:
+    """The data source for ``--dataset_path`` (called by the training loop on every rank;
+    ``splits``: those that must have rows, see :class:`CriteoSource`)."""
     if cfg.model.num_dense_features != INT_FEATURES or cfg.model.num_sparse_features != CAT_FEATURES:
         raise ConfigError(
             "dataset_path",
@@ -358,6 +384,7 @@ def build_criteo_source(cfg: JobConfig, rank: int, world_size: int) -> CriteoSou
         dense_transform=cfg.data.dense_transform,
         multi_hot_sizes=cfg.data.multi_hot_sizes,
         multi_hot_pooling=cfg.data.multi_hot_pooling,
+        splits=splits,
     )
 
 

@@ -20,6 +20,7 @@ gives the pod labels, annotations, metrics container ports and trainer flags)::
 
 from __future__ import annotations
 
+import json
 import shlex
 from functools import lru_cache
 from typing import Any, Optional
@@ -95,6 +96,8 @@ def environment() -> jinja2.Environment:
     env.filters["yaml_block"] = _yaml_block
     env.filters["toyaml"] = _dump
     env.filters["shquote"] = shlex.quote
+    env.filters["json"] = lambda value: json.dumps(value, separators=(",", ":"))
+    env.filters["taint"] = lambda t: f"{t['key']}={t.get('value', '')}:{t['effect']}"
     return env
 
 
@@ -105,6 +108,15 @@ def render_template(template: str, /, **context: Any) -> str:
 # Every launcher starts the trainer through `torchrec-cloud launch` (torchrun with exit codes
 # the controllers act on: 0 only for a finished run, EXIT_PREEMPTED for a preemption).
 LAUNCH_COMMAND = ["torchrec-cloud", "launch"]
+
+
+def spot_train_args(spec: DeploySpec, profile: Profile) -> list[str]:
+    """A spot job's trainer flags, on every target (Kubernetes, Azure ML, Vertex AI, TorchX):
+    it saves on a clock (``spot.checkpoint_every_s``), in the background, since a reclaim's
+    grace is too short for a large model's save; the user's own flags win (``trainer_args``)."""
+    if not spec.spot:
+        return []
+    return ["--checkpoint_every_s", str(profile.spot["checkpoint_every_s"]), "--async_checkpoint"]
 
 
 def build_context(spec: DeploySpec, profile: Optional[Profile] = None) -> dict[str, Any]:
@@ -122,8 +134,7 @@ def build_context(spec: DeploySpec, profile: Optional[Profile] = None) -> dict[s
     monitoring = _monitoring(spec, profile, metrics_port)
     volumes, volume_mounts, storage, output_root = _volumes(spec, profile)
     grace = spec.grace_period_s or profile.termination_grace_period_s
-    # A spot job saves on a clock: a reclaim's grace is too short for a large model's save.
-    spot_args = ["--checkpoint_every_s", str(profile.spot["checkpoint_every_s"]), "--async_checkpoint"] if spec.spot else []
+    spot_args = spot_train_args(spec, profile)
     trainer_args = spec.trainer_args(output_root, [*monitoring.container_args, *spot_args])
     plan, planned_args = _plan(spec, profile, instance, trainer_args)
     if planned_args:
@@ -183,6 +194,7 @@ def build_context(spec: DeploySpec, profile: Optional[Profile] = None) -> dict[s
         "trainer_args": trainer_args,
         "plan": plan,
         "planned_args": planned_args,
+        "spot_args": spot_args,
         "launch_command": LAUNCH_COMMAND,
         "job_launch_args": launch["job"],
         "operator_launch_args": launch["pytorchjob"],
@@ -360,11 +372,16 @@ def _monitoring(spec: DeploySpec, profile: Profile, port: int):
 def render_documents(spec: DeploySpec, profile: Optional[Profile] = None) -> list[str]:
     """The bundle for ``spec.launcher``, one YAML document (text) per template and per object
     the metrics collector needs."""
+    from torchrec_cloud.deploy.schedulable import require_schedulable
+
     ctx = build_context(spec, profile)
     docs = [render_template(name, **ctx) for name in LAUNCHER_TEMPLATES[spec.launcher]]
     docs += [render_template("collector.yaml.j2", manifest=m, **ctx) for m in ctx["monitoring"].manifests]
     docs += [render_template(name, **ctx) for name in ctx["profile"].extra_templates]
-    return [doc.strip("\n") + "\n" for doc in docs]
+    docs = [doc.strip("\n") + "\n" for doc in docs]
+    # A pod asking for a device nothing advertises where it may land stays Pending for good.
+    require_schedulable(load_documents("---\n".join(docs)), ctx["profile"], spec.spot)
+    return docs
 
 
 def render_bundle(spec: DeploySpec, profile: Optional[Profile] = None) -> str:

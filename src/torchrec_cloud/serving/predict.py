@@ -28,6 +28,7 @@ import torch
 
 from torchrec_cloud import storage
 from torchrec_cloud.config import ConfigError, JobConfig
+from torchrec_cloud.untrusted import UntrustedInputError, read_capped
 from torchrec_cloud.serving import (
     CONFIG_FILE,
     SCORER_FILE,
@@ -40,9 +41,10 @@ from torchrec_cloud.serving import (
 SPLITS = ("val", "test", "all")
 
 
-def eval_source(cfg: JobConfig, batch_size: int):
+def eval_source(cfg: JobConfig, batch_size: int, split: str = "val"):
     """A one-process reader of ``cfg``'s held-out data: its ``--dataset_path`` shards, or,
-    without one, its synthetic data (the same rows training evaluated on)."""
+    without one, its synthetic data (the same rows training evaluated on). Only ``split``
+    (``all``: every split) must have rows."""
     cfg.data.batch_size = batch_size
     if cfg.data.dataset_path is None:
         from torchrec_cloud.data.synthetic import SyntheticSource
@@ -60,7 +62,7 @@ def eval_source(cfg: JobConfig, batch_size: int):
     except ConfigError as e:
         raise ServingError(str(e).split(": ", 1)[-1]) from None
     try:
-        return build_criteo_source(cfg, 0, 1)
+        return build_criteo_source(cfg, 0, 1, splits=("train", "val", "test") if split == "all" else (split,))
     except ConfigError as e:
         if e.flag == "batch_size":
             raise
@@ -135,9 +137,16 @@ def score(
     return [torch.cat(p) for p in parts], torch.cat(labels), time.perf_counter() - start
 
 
-def load_scorer(model_dir: str) -> torch.jit.ScriptModule:
+def load_scorer(model_dir: str, size: int) -> torch.jit.ScriptModule:
+    """The model folder's TorchScript scorer, read no further than the ``size`` its
+    model_config.json records (the folder must be trusted: a TorchScript file is code)."""
     path = storage.join(model_dir, SCORER_FILE)
-    data = storage.read_bytes(path)
+    try:
+        data = read_capped(path, size)
+    except UntrustedInputError as e:
+        raise ServingError(f"{e}; its {CONFIG_FILE} says {size} bytes: export again") from None
+    if len(data) != size:
+        raise ServingError(f"{path} has {len(data)} bytes; its {CONFIG_FILE} says {size}: export again")
     try:
         return torch.jit.load(io.BytesIO(data), map_location="cpu")
     except Exception as e:  # noqa: BLE001 - a damaged archive fails in many ways
@@ -162,8 +171,8 @@ def predict(
     config = read_model_config(model_dir)
     cfg = saved_job_config(config, storage.join(model_dir, CONFIG_FILE))
     cfg.data.dataset_path = dataset_path
-    scorer = load_scorer(model_dir)
-    source = eval_source(cfg, batch_size)
+    scorer = load_scorer(model_dir, config["files"][SCORER_FILE])
+    source = eval_source(cfg, batch_size, split)
     if isinstance(source, CriteoTSV):
         split = "file"
     (logits,), labels, seconds = score([scorer], split_batches(source, split), None, progress, split_rows(source, split))
