@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from torchrec_cloud import storage
 from torchrec_cloud.checkpoint.dcp import read_metadata, verify
@@ -179,13 +179,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     ls.add_argument("path", metavar="PATH")
     ls.add_argument("--json", action="store_true", help="one JSON array instead of a table")
     ls.add_argument("--verify", action="store_true", help=_VERIFY_HELP)
-    ls.set_defaults(func=_run_cli(_ls))
+    ls.set_defaults(func=_ls)
     insp = sub.add_parser("inspect", help="one checkpoint: position, ranks, size, tensors")
     insp.add_argument("path", metavar="PATH")
     insp.add_argument("--json", action="store_true", help="one JSON object instead of text")
     insp.add_argument("-v", "--verbose", action="store_true", help="list every tensor")
     insp.add_argument("--verify", action="store_true", help=_VERIFY_HELP)
-    insp.set_defaults(func=_run_cli(_inspect))
+    insp.set_defaults(func=_inspect)
     ver = sub.add_parser(
         "verify",
         help="read every file of a checkpoint (or of every checkpoint in a folder) back against its checksums",
@@ -193,7 +193,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "with the checksums recorded when it was saved. Exit 1 naming each damaged or incomplete one.",
     )
     ver.add_argument("path", metavar="PATH", help="a step_N checkpoint, or a folder of them")
-    ver.set_defaults(func=_run_cli(_verify))
+    ver.set_defaults(func=_verify)
     return parser
 
 
@@ -216,14 +216,3 @@ def _verify(ns: argparse.Namespace) -> int:
             bad += 1
             print(f"torchrec-cloud checkpoint verify: error: {line}", file=sys.stderr)
     return 1 if bad else 0
-
-
-def _run_cli(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    def run(ns: argparse.Namespace) -> int:
-        try:
-            return fn(ns)
-        except (storage.StorageError, CheckpointError) as e:
-            print(f"torchrec-cloud checkpoint {ns.action}: error: {e}", file=sys.stderr)
-            return 1
-
-    return run

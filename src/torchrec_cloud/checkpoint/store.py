@@ -23,13 +23,14 @@ from typing import Any, Callable, Optional
 
 from torchrec_cloud import checksum, storage
 from torchrec_cloud.config import ConfigError
+from torchrec_cloud.errors import CommandError
 
 COMMIT_FILE = "COMMIT.json"
 FORMAT_VERSION = 2  # of COMMIT.json; 2 added "checksums", 1 recorded sizes only (still read)
 _NAME = re.compile(r"^step_(\d+)$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(CommandError, RuntimeError):
     """A checkpoint could not be written or read."""
 
 

@@ -86,28 +86,31 @@ def _exists(path: str) -> bool:
         return False
 
 
-def _shard_sizes(path: str, manifest: dict) -> list[tuple[str, int, Optional[int]]]:
-    """``(url, expected size, actual size or None if missing)`` of every shard, from one
-    listing per folder of shards."""
-    row_bytes = int(manifest["record"]["bytes_per_row"])
+def _shard_sizes(path: str, entries: list[tuple[str, int]]) -> list[tuple[str, int, Optional[int]]]:
+    """``(url, expected size, actual size or None if missing)`` of every shard named in
+    ``entries`` (``(path in the folder, size)``), from one listing per folder of shards."""
     listed: dict[str, dict[str, int]] = {}
     out = []
-    for shard in manifest["shards"]:
-        folder, _, name = shard["path"].rpartition("/")
+    for rel, expected in entries:
+        folder, _, name = rel.rpartition("/")
         if folder not in listed:
             try:
                 listed[folder] = storage.list_sizes(storage.join(path, *folder.split("/")) if folder else path)
             except storage.StorageNotFoundError:
                 listed[folder] = {}
-        out.append((storage.join(path, *shard["path"].split("/")), int(shard["rows"]) * row_bytes,
-                    listed[folder].get(name)))  # fmt: skip
+        out.append((storage.join(path, *rel.split("/")), expected, listed[folder].get(name)))
     return out
+
+
+def _entries(manifest: dict) -> list[tuple[str, int]]:
+    row_bytes = int(manifest["record"]["bytes_per_row"])
+    return [(shard["path"], int(shard["rows"]) * row_bytes) for shard in manifest["shards"]]
 
 
 def check_shards(path: str, manifest: dict) -> None:
     """Raise a :class:`ConfigError` naming the first shard of ``manifest`` that is missing
     under ``path`` or whose size is not its rows times the record size (a copy cut short)."""
-    for url, expected, actual in _shard_sizes(path, manifest):
+    for url, expected, actual in _shard_sizes(path, _entries(manifest)):
         if actual is None:
             raise ConfigError("dataset_path", f"{url} is missing (the manifest lists {len(manifest['shards'])} "
                               "shards); copy the whole folder again, or preprocess again")  # fmt: skip
@@ -120,7 +123,13 @@ def verify_shards(path: str, manifest: dict, threads: int = 8) -> dict[str, Any]
     """Every shard's size and, where the manifest records one, checksum (reads every byte;
     shards in parallel). Returns ``{"shards", "bytes", "checked", "problems": [...]}``; a
     problem names the shard."""
-    sized = _shard_sizes(path, manifest)
+    return verify_files(path, _entries(manifest), [s.get(checksum.ALGORITHM) for s in manifest["shards"]], threads)
+
+
+def verify_files(path: str, entries: list[tuple[str, int]], digests: list[Optional[str]], threads: int = 8) -> dict[str, Any]:
+    """:func:`verify_shards` of files named by ``(path in the folder, size)`` with their
+    checksums (None: size only); any dataset's shards."""
+    sized = _shard_sizes(path, entries)
     problems = []
     for url, expected, actual in sized:
         if actual is None:
@@ -128,15 +137,14 @@ def verify_shards(path: str, manifest: dict, threads: int = 8) -> dict[str, Any]
         elif actual != expected:
             problems.append(f"{url}: {actual} bytes, the manifest says {expected} (truncated or altered)")
 
-    def check(item: tuple[tuple[str, int, Optional[int]], dict]) -> Optional[str]:
-        (url, _, _), shard = item
+    def check(item: tuple[tuple[str, int, Optional[int]], str]) -> Optional[str]:
+        (url, _, _), expected_digest = item
         _, actual = checksum.file_digest(url)
-        if actual != shard[checksum.ALGORITHM]:
+        if actual != expected_digest:
             return f"{url}: its bytes differ from when it was written ({checksum.ALGORITHM} checksum mismatch)"
         return None
 
-    todo = [(s, m) for s, m in zip(sized, manifest["shards"])
-            if checksum.ALGORITHM in m and s[2] is not None and s[1] == s[2]]  # fmt: skip
+    todo = [(s, d) for s, d in zip(sized, digests) if d is not None and s[2] is not None and s[1] == s[2]]
     with ThreadPoolExecutor(max(1, min(threads, len(todo)))) as pool:
         problems += [p for p in pool.map(check, todo) if p]
     return {

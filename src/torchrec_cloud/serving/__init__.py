@@ -24,11 +24,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from typing import Any, Callable
 
 from torchrec_cloud import storage
 from torchrec_cloud.config import ConfigError, DataConfig, JobConfig, ModelConfig
+from torchrec_cloud.errors import CommandError
 
 MODEL_FORMAT = "torchrec-cloud-model"
 MODEL_VERSION = 1
@@ -37,7 +37,7 @@ SCORER_FILE = "scorer.pt"
 WEIGHTS_FILE = "weights.pt"
 
 
-class ServingError(RuntimeError):
+class ServingError(CommandError, RuntimeError):
     """A checkpoint, model directory or dataset that export or predict cannot use."""
 
 
@@ -79,17 +79,8 @@ def saved_job_config(saved: dict[str, Any], where: str) -> JobConfig:
 def add_command(
     subparsers: argparse._SubParsersAction, name: str, summary: str, doc: str, run: Callable[[argparse.Namespace], int]
 ) -> argparse.ArgumentParser:
-    """The parser of ``torchrec-cloud NAME``, running ``run``: a checkpoint, model or dataset
-    it cannot use ends in one line naming it, exit 1 (a bad flag: ConfigError, exit 2)."""
-    from torchrec_cloud.checkpoint.store import CheckpointError
-
-    def main(ns: argparse.Namespace) -> int:
-        try:
-            return run(ns)
-        except (ServingError, CheckpointError, storage.StorageError) as e:
-            print(f"torchrec-cloud {name}: error: {e}", file=sys.stderr)
-            return 1
-
+    """The parser of ``torchrec-cloud NAME``, running ``run``. A checkpoint, model or dataset it
+    cannot use raises a ServingError (a CommandError): ``cli.main`` prints it as one line, exit 1."""
     parser = subparsers.add_parser(name, help=summary, description=doc.split("\n\n")[0])
-    parser.set_defaults(func=main)
+    parser.set_defaults(func=run)
     return parser

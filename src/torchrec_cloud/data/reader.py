@@ -1,0 +1,192 @@
+"""A dataset made from a schema, read for training: the data source behind ``--dataset_path``
+when its manifest is a schema's (a Criteo folder goes to :mod:`~torchrec_cloud.data.criteo_reader`)::
+
+    torchrec-cloud train --dataset_path s3://bucket/events-shards      # features from the manifest
+    source = build_dataset_source(cfg, rank, world_size)
+
+Rows reach ranks as for every layout (:mod:`~torchrec_cloud.data.shards`); this module reads
+a schema's records and list features and makes batches of them (:func:`batch_of`, also what
+``predict`` calls on raw rows after the same transforms). The model's features, table sizes
+and pooling come from the manifest (:func:`model_features`), applied to the config before
+the run starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_cloud import storage, trust
+from torchrec_cloud.config import ConfigError, JobConfig
+from torchrec_cloud.data.dataset import MANIFEST, OFFSET_BYTES, Dataset, Rows, is_schema_dataset, load_dataset
+from torchrec_cloud.data.shards import IO_THREADS, WINDOW_ROWS, ShardSource
+
+
+def kjt(keys: Sequence[str], lengths: Sequence[np.ndarray], values: Sequence[np.ndarray], stride: int) -> KeyedJaggedTensor:
+    """A KeyedJaggedTensor of per-key lengths [stride] and ids, with ``length_per_key`` and
+    ``offset_per_key`` computed here, on the host (TorchRec's input dist otherwise reads them
+    back from the device every batch)."""
+    per_key = [int(v.shape[0]) for v in values]
+    offsets = [0]
+    for n in per_key:
+        offsets.append(offsets[-1] + n)
+    return KeyedJaggedTensor(
+        keys=list(keys),
+        values=torch.from_numpy(np.concatenate(values).astype(np.int64)),
+        lengths=torch.from_numpy(np.concatenate(lengths).astype(np.int32)),
+        stride=stride,
+        length_per_key=per_key,
+        offset_per_key=offsets,
+    )
+
+
+def batch_of(rows: Rows, keys: Sequence[str], singles: Sequence[int], lists: Sequence[int],
+             table_sizes: np.ndarray, where: str) -> Batch:  # fmt: skip
+    """A Batch of a schema's rows: dense as stored, one key per sparse feature in schema order
+    (``singles``/``lists``: each single-valued/list feature's place in that order). A single
+    id of -1 (missing) is an empty bag. An id outside its table (a damaged shard) is an error
+    naming ``where``."""
+    b = len(rows)
+    ids = rows.records["sparse"]
+    lengths: list[Any] = [None] * len(keys)
+    values: list[Any] = [None] * len(keys)
+    for j, k in enumerate(singles):
+        col = ids[:, j]
+        present = col >= 0
+        lengths[k], values[k] = present.astype(np.int32), col[present]
+    for j, k in enumerate(lists):
+        offsets, vals = rows.lists[j]
+        lengths[k], values[k] = np.diff(offsets).astype(np.int32), vals
+    for k, v in enumerate(values):
+        if len(v) and (int(v.min()) < 0 or int(v.max()) >= table_sizes[k]):
+            raise ConfigError("dataset_path", f"{where}: a row has an id outside the table of {keys[k]} "
+                              f"({table_sizes[k]} rows): a shard is damaged (find it with: torchrec-cloud data verify)")  # fmt: skip
+    return Batch(
+        dense_features=torch.from_numpy(np.ascontiguousarray(rows.records["dense"])),
+        sparse_features=kjt(keys, lengths, values, b),
+        labels=torch.from_numpy(rows.records["label"].astype(np.float32)),
+    )
+
+
+class SchemaSource(ShardSource):
+    """Batches of a schema's shards for one rank."""
+
+    def __init__(self, dataset: Dataset, *, batch_size: int, rank: int, world_size: int, shuffle: bool = False,
+                 seed: int = 0, window_rows: int = WINDOW_ROWS, io_threads: int = IO_THREADS) -> None:  # fmt: skip
+        self.dataset = dataset
+        self.dtype = dataset.record
+        self.list_dtype = dataset.list_dtype
+        self.num_lists = len(dataset.schema.lists)
+        sparse = dataset.schema.sparse
+        self.keys = [f.name for f in sparse]
+        self.singles = [k for k, f in enumerate(sparse) if not f.list]
+        self.lists = [k for k, f in enumerate(sparse) if f.list]
+        self.table_sizes = np.asarray(dataset.table_sizes, np.int64)
+        self._init_splits(dataset.path, dataset.splits, batch_size=batch_size, rank=rank, world_size=world_size,
+                          shuffle=shuffle, seed=seed, window_rows=window_rows, io_threads=io_threads)  # fmt: skip
+
+    def _read(self, shard: Any, start: int, count: int, itemsize: int, what: str) -> bytes:
+        data = storage.read_bytes(shard.url, start=start, end=start + count * itemsize)
+        if len(data) != count * itemsize:
+            raise storage.StorageError(shard.url, f"shorter than the manifest says ({what}); copy it again, or preprocess again")
+        return data
+
+    def _read_range(self, shard_index: int, lo: int, hi: int) -> Rows:
+        ds = self.dataset
+        shard = ds.shards[shard_index]
+        size = self.dtype.itemsize
+        records = np.frombuffer(self._read(shard, lo * size, hi - lo, size, f"rows {lo}..{hi}"), self.dtype)
+        lists = []
+        for j in range(self.num_lists):
+            base = ds.list_offset(shard, j)
+            offsets = np.frombuffer(self._read(shard, base + lo * OFFSET_BYTES, hi - lo + 1, OFFSET_BYTES, "offsets"), "<i8")
+            first, last = int(offsets[0]), int(offsets[-1])
+            if first < 0 or last > shard.values[j] or np.any(np.diff(offsets) < 0):
+                raise trust.TrustError(shard.url, f"list {ds.schema.lists[j].name}",
+                                       "offsets out of order or past its ids: the shard is damaged (data verify finds it)")  # fmt: skip
+            values_at = base + (shard.rows + 1) * OFFSET_BYTES
+            item = self.list_dtype.itemsize
+            values = np.frombuffer(self._read(shard, values_at + first * item, last - first, item, "ids"), self.list_dtype)
+            lists.append((offsets - first, values))
+        return Rows(records, lists)
+
+    def _make_batch(self, rows: Rows, key: Optional[tuple[int, int]]) -> Batch:
+        return batch_of(rows, self.keys, self.singles, self.lists, self.table_sizes, self.path)
+
+    def facts(self) -> dict[str, Any]:
+        return self.dataset.facts()
+
+
+def read_manifest(path: str) -> dict:
+    """The manifest at ``path`` as JSON, size-capped, or a ConfigError saying what to do."""
+    url = storage.join(path, MANIFEST)
+    try:
+        return trust.load_json(url)
+    except storage.StorageNotFoundError:
+        if storage.exists(storage.join(path, "_plan.json")):
+            hint = "an interrupted preprocessing run: run the same command again to finish it"
+        else:
+            hint = (f"make it with: torchrec-cloud data preprocess --schema FILE --input FILES --output {path}, "
+                    "or --format kaggle|terabyte for Criteo")  # fmt: skip
+        raise ConfigError("dataset_path", f"{url} not found ({hint})") from None
+    except trust.TrustError as e:
+        raise ConfigError("dataset_path", str(e)) from None
+
+
+def model_features(cfg: JobConfig) -> JobConfig:
+    """``cfg`` with the model's features taken from its dataset's manifest when the dataset was
+    made from a schema: dense count, sparse names, table sizes, pooling (else ``cfg``)."""
+    if cfg.data.dataset_path is None:
+        return cfg
+    from torchrec_cloud.data.criteo_format import FORMAT_NAME as CRITEO_FORMAT
+
+    try:
+        manifest = read_manifest(cfg.data.dataset_path)
+    except ConfigError:
+        raise
+    except storage.StorageError as e:
+        raise ConfigError("dataset_path", str(e)) from None
+    if isinstance(manifest, dict) and manifest.get("format") == CRITEO_FORMAT:
+        return cfg
+    try:
+        ds = load_dataset(cfg.data.dataset_path, manifest, check_files=False)
+    except trust.TrustError as e:
+        raise ConfigError("dataset_path", str(e)) from None
+    if cfg.data.multi_hot_sizes is not None:
+        raise ConfigError("multi_hot_sizes", "applies to Criteo data; a schema's list features are bags of their own")
+    sparse = ds.schema.sparse
+    model = dataclasses.replace(
+        cfg.model,
+        num_dense_features=len(ds.schema.dense),
+        num_sparse_features=len(sparse),
+        num_embeddings_per_feature=list(ds.table_sizes),
+        feature_names=[f.name for f in sparse],
+        pooling=[f.pooling for f in sparse],
+    )
+    return dataclasses.replace(cfg, model=model)
+
+
+def build_dataset_source(cfg: JobConfig, rank: int, world_size: int) -> ShardSource:
+    """The source of ``--dataset_path``: a schema's shards, or Criteo's."""
+    path = cfg.data.dataset_path or ""
+    manifest = read_manifest(path)
+    if not is_schema_dataset(manifest):
+        from torchrec_cloud.data.criteo_reader import build_criteo_source
+
+        return build_criteo_source(cfg, rank, world_size)
+    try:
+        ds = load_dataset(path, manifest)
+    except trust.TrustError as e:
+        raise ConfigError("dataset_path", str(e)) from None
+    features = model_features(cfg).model
+    if (features.num_dense_features, features.sparse_names, features.table_sizes) != (
+        cfg.model.num_dense_features, cfg.model.sparse_names, cfg.model.table_sizes):  # fmt: skip
+        raise ConfigError("dataset_path", f"{path} holds {len(ds.schema.dense)} dense and {len(ds.schema.sparse)} sparse "
+                          "features; the model was built for others (train reads them from the manifest)")  # fmt: skip
+    return SchemaSource(ds, batch_size=cfg.data.batch_size, rank=rank, world_size=world_size,
+                        shuffle=cfg.data.shuffle, seed=cfg.data.seed)  # fmt: skip

@@ -1,0 +1,282 @@
+"""The schema of a dataset: which column is the label, which are dense and sparse features, and
+how each raw value becomes a model input. A small YAML file the user writes (or edits from
+what ``torchrec-cloud data schema --input URL`` proposes, :mod:`~torchrec_cloud.data.infer`)::
+
+    name: events
+    label: {column: clicked}                    # 0/1; or {column: rating, threshold: 4}
+    dense:
+      - {name: price, transform: log1p}         # none | log1p | standardize; fill: 0 or mean
+      - {name: age, transform: standardize}
+    sparse:
+      - {name: user_id, type: string, mapping: vocab, num_embeddings: 100000, min_count: 2}
+      - {name: item_id, type: int, mapping: hash, num_embeddings: 50000}
+      - {name: tags, type: string, list: true, mapping: vocab, num_embeddings: 1000, pooling: mean}
+    split: {by: ts, val_from: "2024-03-01", test_from: "2024-03-15"}
+
+    schema = load_schema("schema.yaml")          # checked; one line naming file and field
+
+docs/data.md describes every field. Criteo's layout is the built-in schema
+(:data:`CRITEO`, read by its own fast TSV parser); every other dataset goes through this file.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Union
+
+from torchrec_cloud import storage, trust
+from torchrec_cloud.trust import TrustError
+
+FORMAT = "torchrec-cloud-schema"
+TRANSFORMS = ("none", "log1p", "standardize")
+MAPPINGS = ("hash", "vocab", "modulo")
+ID_TYPES = ("string", "int")
+POOLINGS = ("sum", "mean")
+MAX_TABLE_ROWS = 1 << 40
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+
+
+@dataclass(frozen=True)
+class Label:
+    column: str
+    threshold: Optional[float] = None
+    """None: the column holds 0/1 (or true/false); a number: label = value >= threshold."""
+
+
+@dataclass(frozen=True)
+class Dense:
+    name: str
+    column: str
+    transform: str = "none"
+    fill: Union[float, str] = 0.0
+    """The value a missing entry gets before the transform: a number, or ``mean`` (the
+    training rows' mean, so 0 after ``standardize``)."""
+
+
+@dataclass(frozen=True)
+class Sparse:
+    name: str
+    column: str
+    type: str = "string"
+    list: bool = False
+    mapping: str = "hash"
+    num_embeddings: int = 100_000
+    """Rows of its table (``vocab``: at most; the vocabulary found, plus one
+    out-of-vocabulary row, may be fewer)."""
+    min_count: int = 1
+    pooling: str = "sum"
+    separator: str = "|"
+    """Between a list's ids in one CSV cell or string column."""
+    max_length: Optional[int] = None
+    """Keep the first this many ids of a list (None: all)."""
+
+
+@dataclass(frozen=True)
+class Split:
+    by: str
+    """A column (rows with a value below ``val_from`` train, below ``test_from`` validate,
+    the rest test), ``input`` (the --input files from the one named ``val_from`` on), or
+    ``hash:COLUMN`` (a stable hash of the column as a fraction in [0, 1))."""
+    val_from: Any
+    test_from: Any
+
+
+@dataclass(frozen=True)
+class Schema:
+    name: str
+    label: Label
+    dense: tuple[Dense, ...]
+    sparse: tuple[Sparse, ...]
+    split: Optional[Split] = None
+    delimiter: Optional[str] = None
+    """CSV/TSV only: the field separator (None: ``\\t`` for .tsv/.txt, else ``,``)."""
+    header: bool = True
+    """CSV/TSV only: whether the first line names the columns (else give ``columns``)."""
+    columns: Optional[tuple[str, ...]] = None
+    """CSV/TSV without a header: the columns' names, in order."""
+
+    def columns_read(self, split: Optional[Split] = None, labelled: bool = True) -> list[str]:
+        """The input columns read (label, features, the split's column), once each."""
+        out = ([self.label.column] if labelled else []) + [f.column for f in self.dense] + [f.column for f in self.sparse]
+        if split is not None and split.by != "input" and split.by != "hash:":
+            out.append(split.by.removeprefix("hash:"))
+        return list(dict.fromkeys(out))
+
+    @property
+    def singles(self) -> list[Sparse]:
+        return [f for f in self.sparse if not f.list]
+
+    @property
+    def lists(self) -> list[Sparse]:
+        return [f for f in self.sparse if f.list]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["format"] = FORMAT
+        d["columns"] = list(self.columns) if self.columns is not None else None
+        return d
+
+    def digest(self) -> str:
+        from torchrec_cloud import checksum
+
+        return checksum.digest(json.dumps(self.to_dict(), sort_keys=True).encode())
+
+
+# Criteo's layout, as a schema: the shards of `data preprocess --format kaggle|terabyte`.
+# Its TSV is parsed by criteo_parse (bit-identical to TorchRec's preprocessing) and its
+# dense transform applied when read (--dense_transform), so it is described here, for the
+# start record and the docs, rather than run through the generic conversion.
+CRITEO = {
+    "name": "criteo",
+    "label": {"column": "label"},
+    "dense": [{"name": f"int_{i}", "transform": "criteo (--dense_transform)"} for i in range(13)],
+    "sparse": [{"name": f"cat_{i}", "type": "hex", "mapping": "modulo"} for i in range(26)],
+}
+
+
+def load_schema(path: str) -> Schema:
+    """The schema in the YAML (or JSON) file at ``path``, checked."""
+    data = trust.read_capped(path, trust.MAX_MANIFEST_BYTES)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise TrustError(path, "", "is not UTF-8 text") from None
+    return parse_schema(trust.parse_yaml(text, path), path)
+
+
+def _keys(d: dict, where: str, field_: str, allowed: set[str]) -> None:
+    unknown = sorted(set(d) - allowed)
+    if unknown:
+        raise TrustError(where, f"{field_}.{unknown[0]}" if field_ else unknown[0],
+                         f"unknown key (known: {', '.join(sorted(allowed))})")  # fmt: skip
+
+
+def _ident(value: Any, where: str, field_: str) -> str:
+    value = trust.text(value, where, field_, 64)
+    if not _IDENT.match(value):
+        raise TrustError(where, field_, f"must be an identifier (letters, digits, _), got {trust.shown(value)}")
+    return value
+
+
+def _column(d: dict, default: str, where: str, field_: str) -> str:
+    return trust.text(d.get("column", default), where, f"{field_}.column", 200)
+
+
+def parse_schema(raw: Any, where: str) -> Schema:
+    """A :class:`Schema` from parsed YAML/JSON (a user's file, or one stored with a dataset or
+    a model), every field checked: one :class:`TrustError` naming the first bad one."""
+    d = trust.mapping(raw, where, "schema")
+    _keys(d, where, "", {"format", "name", "label", "dense", "sparse", "split", "delimiter", "header", "columns"})
+    name = _ident(d.get("name", "schema"), where, "name")
+    lab = trust.mapping(d.get("label"), where, "label")
+    _keys(lab, where, "label", {"column", "threshold"})
+    threshold = lab.get("threshold")
+    label = Label(trust.text(lab.get("column"), where, "label.column"),
+                  None if threshold is None else trust.number(threshold, where, "label.threshold"))  # fmt: skip
+    dense = []
+    for i, item in enumerate(trust.sequence(d.get("dense") or [], where, "dense", 4096)):
+        f = f"dense[{i}]"
+        item = trust.mapping(item, where, f)
+        _keys(item, where, f, {"name", "column", "transform", "fill"})
+        n = _ident(item.get("name"), where, f"{f}.name")
+        transform = trust.choice(item.get("transform", "none"), where, f"{f}.transform", TRANSFORMS)
+        fill = item.get("fill", "mean" if transform == "standardize" else 0.0)
+        if fill != "mean":
+            fill = trust.number(fill, where, f"{f}.fill")
+        dense.append(Dense(n, _column(item, n, where, f), transform, fill))
+    sparse = []
+    for i, item in enumerate(trust.sequence(d.get("sparse") or [], where, "sparse", 4096)):
+        f = f"sparse[{i}]"
+        item = trust.mapping(item, where, f)
+        _keys(item, where, f, {"name", "column", "type", "list", "mapping", "num_embeddings", "min_count",
+                               "pooling", "separator", "max_length"})  # fmt: skip
+        n = _ident(item.get("name"), where, f"{f}.name")
+        kind = trust.choice(item.get("type", "string"), where, f"{f}.type", ID_TYPES)
+        is_list = item.get("list", False)
+        if not isinstance(is_list, bool):
+            raise TrustError(where, f"{f}.list", f"must be true or false, got {trust.shown(is_list)}")
+        mapping = trust.choice(item.get("mapping", "hash"), where, f"{f}.mapping", MAPPINGS)
+        if mapping == "modulo" and kind != "int":
+            raise TrustError(where, f"{f}.mapping", "modulo needs integer ids (type: int); use hash or vocab")
+        rows = trust.integer(item.get("num_embeddings"), where, f"{f}.num_embeddings", 2 if mapping == "vocab" else 1,
+                             MAX_TABLE_ROWS)  # fmt: skip
+        max_length = item.get("max_length")
+        sparse.append(Sparse(
+            n, _column(item, n, where, f), kind, is_list, mapping, rows,
+            trust.integer(item.get("min_count", 1), where, f"{f}.min_count", 1, 1 << 62),
+            trust.choice(item.get("pooling", "sum"), where, f"{f}.pooling", POOLINGS),
+            trust.text(item.get("separator", "|"), where, f"{f}.separator", 8),
+            None if max_length is None else trust.integer(max_length, where, f"{f}.max_length", 1, 1 << 20),
+        ))  # fmt: skip
+    if not dense:
+        raise TrustError(where, "dense", "needs at least one dense feature (the DLRM's bottom MLP reads them)")
+    if not sparse:
+        raise TrustError(where, "sparse", "needs at least one sparse feature (an id column)")
+    for kind, features in (("dense", dense), ("sparse", sparse)):
+        names = [f.name for f in features]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise TrustError(where, kind, f"the name {dup} is used twice")
+    split = None
+    if d.get("split") is not None:
+        s = trust.mapping(d["split"], where, "split")
+        _keys(s, where, "split", {"by", "val_from", "test_from"})
+        split = Split(trust.text(s.get("by"), where, "split.by"), _bound(s.get("val_from"), where, "split.val_from"),
+                      _bound(s.get("test_from"), where, "split.test_from"))  # fmt: skip
+    delimiter = d.get("delimiter")
+    if delimiter is not None and (not isinstance(delimiter, str) or len(delimiter) != 1 or delimiter in "\n\r\""):
+        raise TrustError(where, "delimiter", f"must be one character, got {trust.shown(delimiter)}")
+    header = d.get("header", True)
+    if not isinstance(header, bool):
+        raise TrustError(where, "header", f"must be true or false, got {trust.shown(header)}")
+    columns = d.get("columns")
+    if columns is not None:
+        columns = tuple(trust.text(c, where, f"columns[{i}]") for i, c in
+                        enumerate(trust.sequence(columns, where, "columns", 100_000)))  # fmt: skip
+    if not header and columns is None:
+        raise TrustError(where, "columns", "a file without a header (header: false) needs its columns named here")
+    return Schema(name, label, tuple(dense), tuple(sparse), split, delimiter, header, columns)
+
+
+def _bound(value: Any, where: str, field_: str) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise TrustError(where, field_, f"must be a number, a date or a file name, got {trust.shown(value)}")
+    if isinstance(value, str):
+        trust.text(value, where, field_, 200)
+    else:
+        trust.number(value, where, field_)
+    return value
+
+
+def split_from_flags(schema: Schema, by: Optional[str], val_from: Optional[str], test_from: Optional[str]) -> Optional[Split]:
+    """The split ``--split_by/--val_from/--test_from`` give (numbers given as text become
+    numbers), else the schema's own ``split``; None: 80/10/10 by a hash of each row."""
+    from torchrec_cloud.config import ConfigError
+
+    if by is None:
+        if val_from is not None or test_from is not None:
+            raise ConfigError("split_by", "--val_from and --test_from need --split_by COLUMN (or input, or hash:COLUMN)")
+        return schema.split
+    if val_from is None or test_from is None:
+        raise ConfigError("val_from" if val_from is None else "test_from", f"--split_by {by} needs --val_from and --test_from")
+    return Split(by, _number_or_text(val_from), _number_or_text(test_from))
+
+
+def _number_or_text(value: str) -> Any:
+    try:
+        return int(value)
+    except ValueError:
+        pass
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
+def exists(path: str) -> bool:
+    try:
+        return storage.exists(path)
+    except storage.StorageError:
+        return False
