@@ -15,8 +15,9 @@ rank; ``train_batches(epoch, start_batch)``, this rank's batches of an epoch fro
 ``(batch, valid_rows)`` of ``val`` and ``test``, the same count on every rank (pad with
 ``valid_rows`` 0). Optional: ``facts()``, what the run's start record says about the data.
 
-Here the rows are made up in memory (a label that depends on the features, so the model has
-something to learn); load yours instead in ``_load``. Data in Parquet or CSV files needs no
+Here the rows are made up in memory (``--num_batches_per_epoch`` batches per rank to train
+on, a tenth as many rows per held-out split; a label that depends on the features, so the
+model has something to learn); load yours instead in ``_load``. Data in Parquet or CSV files needs no
 code at all: ``torchrec-cloud data schema`` and ``data preprocess --schema`` (docs/data.md).
 """
 
@@ -40,7 +41,8 @@ class ArraySource(DataSource):
         self.batch_size = cfg.data.batch_size
         self.keys = cfg.model.sparse_names  # cat_0, cat_1, ... (or --feature_names)
         self.table_sizes = cfg.model.table_sizes
-        self.splits = {split: _load(split, cfg.model.num_dense_features, self.table_sizes, cfg.data.seed)
+        train_rows = cfg.data.num_batches_per_epoch * self.batch_size * world_size  # how much to make up
+        self.splits = {split: _load(split, train_rows, cfg.model.num_dense_features, self.table_sizes, cfg.data.seed)
                        for split in ("train", "val", "test")}  # fmt: skip
 
     def num_train_batches(self) -> int:
@@ -82,10 +84,10 @@ class ArraySource(DataSource):
                      labels=torch.from_numpy(labels))  # fmt: skip
 
 
-def _load(split: str, num_dense: int, table_sizes: list[int], seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _load(split: str, train_rows: int, num_dense: int, table_sizes: list[int], seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rows of ``split``: dense float32 [N, D], ids int64 [N, F], labels float32 [N]."""
     g = np.random.default_rng([seed, ("train", "val", "test").index(split)])
-    n = {"train": 20_000, "val": 2_000, "test": 2_000}[split]
+    n = train_rows if split == "train" else max(train_rows // 10, 1)
     dense = g.random((n, num_dense), dtype=np.float32)
     ids = np.stack([(g.random(n) ** 2 * size).astype(np.int64) for size in table_sizes], axis=1)
     weights = np.random.default_rng(seed + 1).normal(0, 1, (len(table_sizes), max(table_sizes)))

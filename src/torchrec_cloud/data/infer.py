@@ -15,9 +15,9 @@ share in the sample, and why it was given its role). Rules, in order:
 - lists (a list column, or text holding ``|``) and text are sparse features (``vocab``
   below a million distinct ids in the sample, else ``hash``); text that differs on nearly
   every row (an order id) is left out, commented;
-- integers named like ids (``id``, ``..._id``, ``...Id``) or with few distinct values are
-  sparse, other numbers dense (``log1p`` when non-negative and skewed, else
-  ``standardize``).
+- integers named like ids (``id``, ``..._id``, ``...Id``, ``user``, ``item``, ``category``,
+  ``zip``, ...) are sparse, other numbers dense (``log1p`` when non-negative and skewed,
+  else ``standardize``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ LABEL_NAMES = ("label", "click", "clicked", "is_click", "clk", "target", "y", "c
                "purchased", "liked", "like")  # fmt: skip
 RATING_NAMES = ("rating", "score", "stars", "grade")
 TIME_NAMES = ("ts", "time", "timestamp", "date", "datetime", "event_time", "event_ts", "created_at", "day", "unix_time")
-_ID_NAME = re.compile(r"(^id$|_id$|Id$|ID$|^uid$|^user$|^item$)")
+_ID_NAME = re.compile(r"(^|_)(id|uid|user|item|product|category|cat|code|zip|country|city|region|brand|shop|store|ad|"
+                      r"campaign|genre|occupation)s?$|Id$|ID$", re.IGNORECASE)
 _INT = r"^\s*[-+]?\d{1,18}\s*$"
 _NUM = r"^\s*[-+]?(\d+\.?\d*([eE][-+]?\d+)?|\.\d+([eE][-+]?\d+)?)\s*$"
 
@@ -206,7 +207,7 @@ def propose(path: str, rows: int = SAMPLE_ROWS) -> tuple[str, list[str]]:
         if c.kind == "other":
             skipped.append(f"#   {c.name}: {c.describe()}: not a type a feature can read")
             continue
-        if c.is_list or c.kind == "string" or (c.kind == "int" and (_ID_NAME.search(c.name) or (c.distinct <= 1000 and c.distinct < 0.05 * c.n))):
+        if c.is_list or c.kind == "string" or (c.kind == "int" and _ID_NAME.search(c.name)):
             if not c.is_list and c.kind == "string" and c.n >= 1000 and c.distinct > 0.9 * c.n:
                 skipped.append(f"#   {c.name}: {c.describe()}: differs on almost every row (an id of the row, not a feature)")
                 continue

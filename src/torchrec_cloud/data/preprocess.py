@@ -55,10 +55,11 @@ class Options:
     rows_per_shard: int = 500_000
 
     def plan(self) -> dict[str, Any]:
-        """What the output depends on; a resumed run must match it."""
-        return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "schema": self.schema.to_dict(),
+        """What the output depends on, as its JSON reads back; a resumed run must match it."""
+        plan = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "schema": self.schema.to_dict(),
                 "inputs": self.inputs, "split": asdict(self.split) if self.split else None,
                 "rows_per_shard": self.rows_per_shard}  # fmt: skip
+        return json.loads(json.dumps(plan))
 
     def needs_counts(self) -> bool:
         return any(f.mapping == "vocab" for f in self.schema.sparse) or any(
@@ -117,29 +118,36 @@ class _Reader:
             self.examples.append(f"{where}: {reason}")
 
     def batches(self):
-        """``(first input row, table, Encoded)`` of each batch (rows count bad ones too)."""
-        seen_lines = 0
+        """``(first input row, table, Encoded)`` of each batch (rows count bad ones too); bad
+        rows are stopped at or counted in file order."""
+        seen = 0  # rows the CSV reader dropped (wrong field count) that were handled
+        inp = self.input
         try:
-            for first, table in self.input.batches():
-                for line, reason in self.input.bad_lines[seen_lines:]:
-                    self._bad(f"{self.input.path}:{line}", reason)
-                seen_lines = len(self.input.bad_lines)
+            for first, table in inp.batches():
                 enc = self.t.encode(table, self.opts.split, self.source, self.opts.inputs[self.source], first,
                                     self.opts.inputs)  # fmt: skip
-                if enc.bad_count:
-                    for row, reason in sorted(enc.bad.items()):
-                        self._bad(self.input.where(first + row), reason)
-                    self.skipped += enc.bad_count - len(enc.bad)
+                last = _line(inp.where(first + table.num_rows - 1)) if table.num_rows else 0
+                bad = [(_line(inp.where(first + row)), reason) for row, reason in enc.bad.items()]
+                while seen < len(inp.bad_lines) and inp.bad_lines[seen][0] <= last:
+                    bad.append(inp.bad_lines[seen])
+                    seen += 1
+                for line, reason in sorted(bad):
+                    self._bad(f"{inp.path}:{line}", reason)
+                self.skipped += enc.bad_count - len(enc.bad)  # beyond the first few, counted only
                 self.report(len(enc.kept))
                 yield first, table, enc
-            for line, reason in self.input.bad_lines[seen_lines:]:
-                self._bad(f"{self.input.path}:{line}", reason)
+            for line, reason in inp.bad_lines[seen:]:
+                self._bad(f"{inp.path}:{line}", reason)
         except TypeError as e:  # a Parquet column of a type the schema cannot read
-            raise PreprocessError(f"{self.input.path}: {e} (the schema and the file disagree)") from None
+            raise PreprocessError(f"{inp.path}: {e} (the schema and the file disagree)") from None
         except ValueError as e:
             if isinstance(e, trust.TrustError):
                 raise
-            raise PreprocessError(f"{self.input.path}: {e}") from None
+            raise PreprocessError(f"{inp.path}: {e}") from None
+
+
+def _line(where: str) -> int:
+    return int(where.rsplit(":", 1)[1])
 
 
 # ---------------------------------------------------------------------------------------
@@ -481,7 +489,9 @@ def preprocess(opts: Options, workers: int = 1, share: Optional[tuple[int, int]]
         index, count = share
         mine = mine[index::count]
     for s in mine:  # a column missing from a file stops the run before any work
-        Input(opts.inputs[s], opts.schema, opts.schema.columns_read(opts.split)).check_columns()
+        checked = Input(opts.inputs[s], opts.schema, opts.schema.columns_read(opts.split))
+        checked.check_columns()
+        checked.check_types()
     vocabularies: dict[str, list] = {}
     stats: dict[str, dict] = {}
     if opts.needs_counts():

@@ -34,6 +34,14 @@ NULLS = ["", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "
          "NULL", "NaN", "n/a", "nan", "null"]  # fmt: skip
 
 
+def _plain(t: pa.DataType) -> pa.DataType:
+    return t.value_type if pa.types.is_dictionary(t) else t
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+
+
 class BadRowError(BadLineError):
     """A row that cannot be converted; the message starts with ``FILE:LINE:`` (CSV) or
     ``FILE:ROW:`` (Parquet, 1-based) and names the column."""
@@ -128,9 +136,37 @@ class Input:
                 f"(it has: {shown(', '.join(names), 300)})"
             )
 
+    def check_types(self) -> None:
+        """A Parquet file's columns must hold what the schema reads from them (a CSV's are text,
+        checked value by value): stop naming the file and the first column that does not."""
+        if self.kind != "parquet":
+            return
+        with storage.open(self.path, "rb") as f:
+            types = {field.name: field.type for field in pq.ParquetFile(f).schema_arrow}
+        for column, role, ok in self._roles():
+            t = types.get(column)
+            if t is not None and column in self.columns and not ok(_plain(t)):
+                raise PreprocessError(f"{self.path}: column {shown(column)} holds {t}, but the schema reads it as {role}; "
+                                      "fix the schema or the file")  # fmt: skip
+
+    def _roles(self) -> list[tuple[str, str, Any]]:
+        number = lambda t: pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_decimal(t)  # noqa: E731
+        text = lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)  # noqa: E731
+        out = [(self.schema.label.column, "the label (numbers)", number)]
+        out += [(f.column, f"dense feature {f.name} (numbers)", number) for f in self.schema.dense]
+        for f in self.schema.sparse:
+            ids = pa.types.is_integer if f.type == "int" else (lambda t: text(t) or pa.types.is_integer(t))
+            if f.list:
+                out.append((f.column, f"list feature {f.name} (lists of {f.type} ids, or text split at {f.separator!r})",
+                            lambda t, ids=ids: text(t) or (_is_list(t) and ids(_plain(t.value_type)))))  # fmt: skip
+            else:
+                out.append((f.column, f"sparse feature {f.name} ({f.type} ids)", ids))
+        return out
+
     def batches(self) -> Iterator[tuple[int, pa.Table]]:
         """``(first row, table)`` of every batch of rows, in file order."""
         self.check_columns()
+        self.check_types()
         if self.kind == "parquet":
             yield from self._parquet()
         else:

@@ -101,7 +101,7 @@ def _numbers(column: Any, name: str) -> _Column:
         ok = pc.fill_null(pc.match_substring_regex(arr, _NUMBER, ignore_case=True), True).to_numpy(zero_copy_only=False)
         clean = pc.if_else(pa.array(ok), arr, pa.scalar(None, arr.type))
         values = pc.cast(pc.utf8_trim_whitespace(clean), pa.float64()).to_numpy(zero_copy_only=False)
-        return _Column(values, ~ok, lambda i: f"column {name}: not a number: {shown(arr[i].as_py())}")
+        return _Column(values, ~ok, lambda i: f"column {name}: not a number: {shown(repr(arr[i].as_py()))}")
     return _Column(None, np.ones(len(arr), bool), lambda i: f"column {name} holds {arr.type}, not numbers")
 
 
@@ -128,7 +128,7 @@ def _label(column: Any, schema: Schema) -> _Column:
         if missing[i]:
             return f"column {name}: the label is missing"
         if wrong[i]:
-            return f"column {name}: the label must be 0 or 1 (or give the schema a threshold), got {shown(arr[i].as_py())}"
+            return f"column {name}: the label must be 0 or 1 (or give the schema a threshold), got {shown(repr(arr[i].as_py()))}"
         return text_reason(i)
 
     return _Column(labels, col.bad | missing | wrong, reason)
@@ -146,14 +146,14 @@ def _ids_of_values(values: pa.Array, f: Sparse, vocab: Optional[dict]) -> tuple[
             ok = pc.fill_null(pc.match_substring_regex(values, _INTEGER), True).to_numpy(zero_copy_only=False)
             bad = ~ok
             shown_values = values
-            reason = lambda i: f"column {f.column}: not an integer id: {shown(shown_values[i].as_py())}"  # noqa: E731
+            reason = lambda i: f"column {f.column}: not an integer id: {shown(repr(shown_values[i].as_py()))}"  # noqa: E731
             values = pc.cast(pc.utf8_trim_whitespace(pc.if_else(pa.array(ok), values, pa.scalar(None, values.type))), pa.int64())
         elif pa.types.is_floating(values.type):
             as_int = pc.cast(values, pa.int64(), safe=False)
             whole = pc.fill_null(pc.equal(pc.cast(as_int, values.type), values), True).to_numpy(zero_copy_only=False)
             bad = ~whole
             shown_values = values
-            reason = lambda i: f"column {f.column}: not an integer id: {shown(shown_values[i].as_py())}"  # noqa: E731
+            reason = lambda i: f"column {f.column}: not an integer id: {shown(repr(shown_values[i].as_py()))}"  # noqa: E731
             values = as_int
         elif not pa.types.is_integer(values.type):
             raise TypeError(f"column {f.column} holds {values.type}, not integer ids")
