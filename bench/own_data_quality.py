@@ -44,18 +44,6 @@ sys.path.insert(0, str(REPO / "src"))
 from torchrec_cloud.cli import main  # noqa: E402
 from torchrec_cloud.data import events_gen  # noqa: E402
 
-PLANTED_SCHEMA = """
-name: planted_events
-label: {column: clicked}
-dense:
-  - {name: price, transform: log1p}
-  - {name: views, transform: standardize}
-sparse:
-  - {name: user, type: string, mapping: vocab, num_embeddings: 1000}
-  - {name: item, type: int, mapping: vocab, num_embeddings: 1000}
-  - {name: tags, type: string, list: true, mapping: vocab, num_embeddings: 100, pooling: mean}
-  - {name: recent, type: int, list: true, mapping: vocab, num_embeddings: 1000}
-"""
 
 FLIGHTS_SCHEMA = """
 name: flights
@@ -79,7 +67,7 @@ def planted(work: Path, days: int, rows_per_day: int) -> dict:
     val_from, test_from = info["day_starts"][-2], info["day_starts"][-1]
     test_cols = events_gen.generate(rows_per_day, days - 1, 0)
     return {
-        "schema": PLANTED_SCHEMA,
+        "schema": events_gen.SCHEMA,
         "inputs": [str(work / "events")],
         "split": ["--split_by", "ts", "--val_from", str(val_from), "--test_from", str(test_from)],
         "bayes_auc": events_gen.bayes_auc(test_cols["p"], test_cols["clicked"]),

@@ -22,24 +22,12 @@ import pytest
 
 from helpers import PYTHON, REPO, env_for_subprocess, evals, explain, read_metrics, run, torchrun
 from torchrec_cloud.cli import main
-from torchrec_cloud.data.events_gen import DAY_S, START, generate, table_of, write_csv, write_events
+from torchrec_cloud.data.events_gen import DAY_S, SCHEMA, START, generate, table_of, write_csv, write_events
 
 ROWS_PER_DAY = 4000
-SCHEMA = """
-name: events
-label: {column: clicked}
-dense:
-  - {name: price, transform: log1p}
-  - {name: views, transform: standardize}
-sparse:
-  - {name: user, type: string, mapping: vocab, num_embeddings: 1000}
-  - {name: item, type: int, mapping: hash, num_embeddings: 600}
-  - {name: tags, type: string, list: true, mapping: vocab, num_embeddings: 100, pooling: mean}
-  - {name: recent, type: int, list: true, mapping: modulo, num_embeddings: 300}
-"""
 SPLIT = ["--split_by", "ts", "--val_from", str(START + 2 * DAY_S), "--test_from", str(START + 3 * DAY_S)]
 MODEL = ["--embedding_dim", "8", "--dense_arch_layer_sizes", "32,8", "--over_arch_layer_sizes", "32,1",
-         "--learning_rate", "0.05", "--batch_size", "200", "--no-progress", "--no-tensorboard",
+         "--learning_rate", "0.05", "--batch_size", "300", "--no-progress", "--no-tensorboard",
          "--eval_every", "0"]  # fmt: skip
 
 
@@ -74,7 +62,7 @@ def trained(events):
     assert main(["data", "preprocess", "--no_progress", "--schema", str(root / "schema.yaml"), "--input",
                  str(root / "events"), "--output", str(root / "data"), "--rows_per_shard", "1500", *SPLIT]) == 0  # fmt: skip
     proc = torchrun(2, ["-m", "torchrec_cloud", "train", "--dataset_path", str(root / "data"), *MODEL,
-                        "--num_epochs", "2", "--checkpoint_path", str(root / "ck"), "--checkpoint_interval", "20",
+                        "--num_epochs", "2", "--checkpoint_path", str(root / "ck"), "--checkpoint_interval", "13",
                         "--output_dir", str(root / "run")])  # fmt: skip
     assert proc.returncode == 0, explain(proc)
     assert main(["export", str(root / "ck"), "--output", str(root / "model")]) == 0
@@ -154,7 +142,7 @@ def test_a_run_resumes_on_one_rank(trained, tmp_path):
     assert proc.returncode == 0, explain(proc)
     records = read_metrics(tmp_path / "resumed")
     resume = next(r for r in records if r["event"] == "resume")
-    assert resume["saved_world_size"] == 2 and resume["world_size"] == 1 and resume["step"] == 20
+    assert resume["saved_world_size"] == 2 and resume["world_size"] == 1 and resume["step"] == 13
     assert evals(records, "test")[-1]["auc"] > 0.68
 
 

@@ -118,10 +118,7 @@ def _preprocess_schema(ns: argparse.Namespace) -> int:
     empty = [k for k, v in rows.items() if v == 0]
     if empty:
         print(f"note: the {' and '.join(empty)} split(s) have no rows; training needs all three (see --split_by)")
-    if m["skipped_rows"]:
-        print(f"skipped {m['skipped_rows']} bad row(s); first ones:")
-        for line in m["skipped_examples"][:5]:
-            print(f"  {line}")
+    _print_skipped(m["skipped_rows"], "row", m["skipped_examples"])
     return 0
 
 
@@ -162,11 +159,15 @@ def _preprocess_criteo(ns: argparse.Namespace) -> int:
     )
     if result.resumed_shards:
         print(f"resumed: {result.resumed_shards} shard(s) were already done and kept")
-    if m["skipped_lines"]:
-        print(f"skipped {m['skipped_lines']} bad line(s); first ones:")
-        for line in m["skipped_examples"][:5]:
-            print(f"  {line}")
+    _print_skipped(m["skipped_lines"], "line", m["skipped_examples"])
     return 0
+
+
+def _print_skipped(count: int, what: str, examples: list[str]) -> None:
+    if count:
+        print(f"skipped {count} bad {what}(s); first ones:")
+        for line in examples[:5]:
+            print(f"  {line}")
 
 
 def cmd_schema(ns: argparse.Namespace) -> int:

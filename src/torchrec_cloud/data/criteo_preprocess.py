@@ -15,7 +15,8 @@ Lines are parsed by :mod:`~torchrec_cloud.data.criteo_parse` into the records of
 
 The conversion streams: plain files are cut into byte ranges (``--chunk_mb``) and gzip
 files are read start to end, so memory stays bounded whatever the input size; work is
-spread over processes (``--workers``, default all cores). Each finished shard gets a
+spread over processes (``--workers``, default all cores); progress is a bar in a terminal and
+a plain line now and then in a log. Each finished shard gets a
 ``.done`` marker, so running the same command again after an interruption converts only
 what is missing; ``manifest.json`` is written last, when every shard is there.
 
@@ -31,7 +32,6 @@ import json
 import multiprocessing as mp
 import os
 import re
-import sys
 import threading
 import time
 import zlib
@@ -533,19 +533,16 @@ def preprocess(opts: Options, workers: int = 0, progress: bool = True) -> Result
         if n.startswith(".tmp-"):  # left by a run killed while writing a shard
             storage.remove(storage.join(opts.output, SHARD_DIR, n))
 
-    bar = None
-    if progress:
-        from tqdm import tqdm
+    from torchrec_cloud.progress import Progress
 
-        bar = tqdm(unit=" rows", unit_scale=True, desc="preprocess", dynamic_ncols=True, file=sys.stderr)
+    bar = Progress("preprocess", "rows", enabled=progress)  # a bar in a terminal, plain lines in a log
     markers: list[dict] = []
     if workers <= 1:
         global _progress
 
         class _Direct:
             def put(self, rows: int) -> None:
-                if bar is not None:
-                    bar.update(rows)
+                bar.update(rows)
 
         _progress = _Direct()
         try:
@@ -564,15 +561,12 @@ def preprocess(opts: Options, workers: int = 0, progress: bool = True) -> Result
             pending = pool.map_async(_worker, [(opts, t) for t in tasks], chunksize=1)
             while True:
                 while not queue.empty():
-                    n = queue.get()
-                    if bar is not None:
-                        bar.update(n)
+                    bar.update(queue.get())
                 if pending.ready():
                     break
                 pending.wait(0.2)
             markers = [m for ms in pending.get() for m in ms]
-    if bar is not None:
-        bar.close()
+    bar.close()
     manifest = _manifest(opts, markers)
     if manifest["rows"] == 0:
         raise PreprocessError("no rows were converted: every line was skipped as bad")

@@ -84,6 +84,7 @@ class Rows:
         return Rows(self.records[index], lists, None if self.shift is None else self.shift[index])
 
     def slice(self, lo: int, hi: int) -> "Rows":
+        hi = min(hi, len(self))
         lists = [(o[lo : hi + 1] - o[lo], v[int(o[lo]) : int(o[hi])]) for o, v in self.lists]
         return Rows(self.records[lo:hi], lists, None if self.shift is None else self.shift[lo:hi])
 

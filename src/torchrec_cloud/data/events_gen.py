@@ -19,6 +19,19 @@ from typing import Any
 
 import numpy as np
 
+# A schema for these events (what `data schema` proposes, with table sizes to spare).
+SCHEMA = """
+name: events
+label: {column: clicked}
+dense:
+  - {name: price, transform: log1p}
+  - {name: views, transform: standardize}
+sparse:
+  - {name: user, type: string, mapping: vocab, num_embeddings: 1000}
+  - {name: item, type: int, mapping: hash, num_embeddings: 600}
+  - {name: tags, type: string, list: true, mapping: vocab, num_embeddings: 100, pooling: mean}
+  - {name: recent, type: int, list: true, mapping: modulo, num_embeddings: 300}
+"""
 DAY_S = 86_400
 START = 1_700_000_000 // DAY_S * DAY_S  # 2023-11-14, a midnight
 USERS, ITEMS, TAGS = 400, 300, 40

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import pyarrow as pa

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Optional, Union
 
-from torchrec_cloud import storage, trust
+from torchrec_cloud import trust
 from torchrec_cloud.trust import TrustError
 
 FORMAT = "torchrec-cloud-schema"
@@ -274,9 +274,3 @@ def _number_or_text(value: str) -> Any:
     except ValueError:
         return value
 
-
-def exists(path: str) -> bool:
-    try:
-        return storage.exists(path)
-    except storage.StorageError:
-        return False

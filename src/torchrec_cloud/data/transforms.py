@@ -98,6 +98,11 @@ def _numbers(column: Any, name: str) -> _Column:
         values = pc.cast(arr, pa.float64()).to_numpy(zero_copy_only=False)
         return _Column(np.where(np.isnan(values), np.nan, values), np.zeros(len(values), bool), None)
     if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
+        try:  # clean text converts at once; only a column with a bad value is checked value by value
+            values = pc.cast(arr, pa.float64()).to_numpy(zero_copy_only=False)
+            return _Column(values, np.zeros(len(values), bool), None)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            pass
         ok = pc.fill_null(pc.match_substring_regex(arr, _NUMBER, ignore_case=True), True).to_numpy(zero_copy_only=False)
         clean = pc.if_else(pa.array(ok), arr, pa.scalar(None, arr.type))
         values = pc.cast(pc.utf8_trim_whitespace(clean), pa.float64()).to_numpy(zero_copy_only=False)
@@ -143,11 +148,15 @@ def _ids_of_values(values: pa.Array, f: Sparse, vocab: Optional[dict]) -> tuple[
         values = values.dictionary_decode()
     if f.type == "int":
         if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
-            ok = pc.fill_null(pc.match_substring_regex(values, _INTEGER), True).to_numpy(zero_copy_only=False)
-            bad = ~ok
-            shown_values = values
-            reason = lambda i: f"column {f.column}: not an integer id: {shown(repr(shown_values[i].as_py()))}"  # noqa: E731
-            values = pc.cast(pc.utf8_trim_whitespace(pc.if_else(pa.array(ok), values, pa.scalar(None, values.type))), pa.int64())
+            try:  # clean text converts at once
+                values = pc.cast(values, pa.int64())
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                ok = pc.fill_null(pc.match_substring_regex(values, _INTEGER), True).to_numpy(zero_copy_only=False)
+                bad = ~ok
+                shown_values = values
+                reason = lambda i: f"column {f.column}: not an integer id: {shown(repr(shown_values[i].as_py()))}"  # noqa: E731
+                clean = pc.utf8_trim_whitespace(pc.if_else(pa.array(ok), values, pa.scalar(None, values.type)))
+                values = pc.cast(pc.replace_substring_regex(clean, r"^\+", ""), pa.int64())
         elif pa.types.is_floating(values.type):
             as_int = pc.cast(values, pa.int64(), safe=False)
             whole = pc.fill_null(pc.equal(pc.cast(as_int, values.type), values), True).to_numpy(zero_copy_only=False)
@@ -360,8 +369,16 @@ def _bound_for(values: pa.Array, bound: Any) -> Any:
     if pa.types.is_integer(t) or pa.types.is_floating(t):
         return float(bound)
     if pa.types.is_timestamp(t) or pa.types.is_date(t):
+        text = pa.scalar(str(bound))
         try:
-            return pa.scalar(str(bound)).cast(pa.timestamp(t.unit, t.tz) if pa.types.is_timestamp(t) else t)
+            if pa.types.is_date(t):
+                return text.cast(pa.timestamp("s")).cast(t)
+            try:
+                return text.cast(t)
+            except pa.ArrowInvalid:  # no zone offset given: a time in the column's zone
+                if t.tz is None:
+                    raise
+                return pc.assume_timezone(text.cast(pa.timestamp(t.unit)), t.tz)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
             raise ValueError(f"cannot compare {t} with {bound!r}: give an ISO date like 2024-03-01") from None
     return pa.scalar(str(bound), t)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import sys
 import time
 from typing import Any, Iterator, Optional, Sequence
 
