@@ -314,3 +314,43 @@ def test_criteo_shards_are_byte_for_byte_as_before(tmp_path):
         manifest = json.loads((out / "manifest.json").read_text())
         digests = [checksum.file_digest(str(out / s["path"]))[1] for s in manifest["shards"]]
         assert digests == CRITEO_SHARDS[name]
+
+
+def test_every_command_reports_errors_in_one_place(capsys, tmp_path):
+    """cli.main prints every command's CommandError as one line with the command's full name."""
+    missing = str(tmp_path / "nothing")
+    cases = [
+        (["data", "verify", missing], "torchrec-cloud data verify: error: "),
+        (["data", "schema", "--input", missing + ".parquet"], "torchrec-cloud data schema: error: "),
+        (["predict", missing, "--input", "x.parquet", "--output", str(tmp_path / "o.csv")], "torchrec-cloud predict: error: "),
+        (["export", missing, "--output", str(tmp_path / "m")], "torchrec-cloud export: error: "),
+        (["checkpoint", "inspect", "s3x://bucket/ck"], "torchrec-cloud checkpoint inspect: error: "),
+    ]  # fmt: skip
+    for argv, prefix in cases:
+        line = one_line_error(capsys, 1, *argv)
+        assert line.startswith(prefix), (argv, line)
+
+
+def test_events_in_a_bucket_split_by_input_file(events, s3_service, monkeypatch, capsys, tmp_path):
+    """Parquet and CSV inputs read from S3 (moto's server), shards written there, split by
+    input file (named by file name), read back, and raw rows scored from the bucket."""
+    from torchrec_cloud import storage
+    from torchrec_cloud.data.dataset import load_dataset
+    from torchrec_cloud.data.reader import SchemaSource
+
+    root, _ = events
+    for key, value in s3_service.env.items():
+        monkeypatch.setenv(key, value)
+    bucket = f"{s3_service.url}/own-data"
+    for name in ("day_0.parquet", "day_1.parquet"):
+        storage.write_bytes(f"{bucket}/raw/{name}", (root / "events" / name).read_bytes())
+    storage.write_bytes(f"{bucket}/raw/day_3.csv", (root / "day_3.csv").read_bytes())
+    rc, out, err = cli(capsys, "data", "preprocess", "--no_progress", "--schema", str(root / "schema.yaml"),
+                       "--input", f"{bucket}/raw/", "--output", f"{bucket}/shards", "--split_by", "input",
+                       "--val_from", "day_1.parquet", "--test_from", "day_3.csv", "--workers", "1")  # fmt: skip
+    assert rc == 0, err
+    ds = load_dataset(f"{bucket}/shards")
+    rows = {k: sum(hi - lo for _, lo, hi in v) for k, v in ds.splits.items()}
+    assert rows == {"train": ROWS_PER_DAY, "val": ROWS_PER_DAY, "test": ROWS_PER_DAY}
+    batch, valid = next(SchemaSource(ds, batch_size=64, rank=0, world_size=1).eval_batches("test"))
+    assert valid == 64 and batch.sparse_features["tags"].lengths().tolist() == [len(t) for t in generate(ROWS_PER_DAY, 3, 0)["tags"][:64]]

@@ -22,6 +22,7 @@ undone.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing as mp
 import re
@@ -78,22 +79,27 @@ def _url(opts: Options, folder: str, name: str) -> str:
     return storage.join(opts.output, folder, name)
 
 
-def _check_split(opts: Options) -> None:
+def _checked_split(opts: Options) -> Optional[Split]:
+    """The split, checked against the inputs; ``--split_by input``'s files may be named by
+    their path as listed or by their file name alone."""
+    from torchrec_cloud.config import ConfigError
+
     split = opts.split
     if split is None:
-        return
+        return None
     if split.by == "input":
+        resolved = []
         for flag, value in (("val_from", split.val_from), ("test_from", split.test_from)):
-            if value not in opts.inputs:
-                from torchrec_cloud.config import ConfigError
-
-                raise ConfigError(flag, f"--split_by input needs one of the --input files, got {value!r}")
-    elif split.by.startswith("hash:"):
+            found = [p for p in opts.inputs if p == value] or [p for p in opts.inputs if p.rsplit("/", 1)[-1] == value]
+            if len(found) != 1:
+                raise ConfigError(flag, f"--split_by input needs one of the --input files (a path or a file name), got {value!r}")
+            resolved.append(found[0])
+        return Split("input", *resolved)
+    if split.by.startswith("hash:"):
         for flag, value in (("val_from", split.val_from), ("test_from", split.test_from)):
             if not isinstance(value, (int, float)) or not 0 <= value <= 1:
-                from torchrec_cloud.config import ConfigError
-
                 raise ConfigError(flag, f"--split_by hash:COLUMN needs a fraction in [0, 1], got {value!r}")
+    return split
 
 
 # ---------------------------------------------------------------------------------------
@@ -479,7 +485,7 @@ def preprocess(opts: Options, workers: int = 1, share: Optional[tuple[int, int]]
 
     t0 = time.perf_counter()
     progress = progress or Progress("preprocess", "rows", enabled=False)
-    _check_split(opts)
+    opts = dataclasses.replace(opts, split=_checked_split(opts))
     done = _prepare(opts)
     if done is not None:
         return Result(done, time.perf_counter() - t0, True)

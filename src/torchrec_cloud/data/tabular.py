@@ -74,8 +74,8 @@ def expand(inputs: list[str]) -> list[str]:
         found = sorted(p for p in fs.find(inner) if p.lower().endswith(PARQUET + CSV))
         if not found:
             raise PreprocessError(f"{path}: a folder with no .parquet, .csv or .tsv file in it")
-        prefix = path[: len(path) - len(inner.rstrip("/"))] if storage.is_url(path) else ""
-        out += [prefix + p if storage.is_url(path) else p for p in found]
+        scheme = storage.scheme(path)
+        out += [f"{scheme}://{p}" if scheme else p for p in found]
     return out
 
 
@@ -114,17 +114,23 @@ class Input:
                 return list(pq.ParquetFile(f).schema_arrow.names)
         if not self.schema.header:
             return list(self.schema.columns or [])
+        first = b""
         with self._open() as f:
-            first = f.readline(MAX_LINE_BYTES + 1)
+            while b"\n" not in first and len(first) <= MAX_LINE_BYTES:
+                block = f.read(1 << 16)
+                if not block:
+                    break
+                first += block
+        first = first.split(b"\n", 1)[0]
         if len(first) > MAX_LINE_BYTES:
             raise PreprocessError(f"{self.path}:1: the header line is longer than {MAX_LINE_BYTES} bytes")
         try:
             header = first.decode("utf-8-sig")
         except UnicodeDecodeError:
             raise PreprocessError(f"{self.path}:1: the header is not UTF-8 text") from None
-        reader = pcsv.read_csv(pa.py_buffer(header.encode()), parse_options=self._parse_options(),
-                               read_options=pcsv.ReadOptions(autogenerate_column_names=False))  # fmt: skip
-        return list(reader.column_names)
+        import csv
+
+        return next(csv.reader([header.rstrip("\r")], delimiter=self._parse_options().delimiter), [])
 
     def check_columns(self) -> None:
         """Stop, naming the file and column, where the file lacks a column the schema reads."""
