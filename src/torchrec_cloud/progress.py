@@ -47,7 +47,9 @@ class Progress:
 
     def line(self, now: Optional[float] = None) -> str:
         seconds = max((now or time.perf_counter()) - self.start, 1e-9)
-        done = f"{self.count:,} of {self.total:,} {self.unit}, {100 * self.count / self.total:.0f}%" if self.total else f"{self.count:,} {self.unit}"
+        done = f"{self.count:,} {self.unit}"
+        if self.total:
+            done = f"{self.count:,} of {self.total:,} {self.unit}, {100 * self.count / self.total:.0f}%"
         return f"{self.desc}: {done} ({self.count / seconds:,.0f} {self.unit}/s)"
 
     def close(self) -> None:

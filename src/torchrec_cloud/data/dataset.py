@@ -237,10 +237,11 @@ def check_transforms(raw: Any, schema: Schema, where: str, field: str) -> dict[s
     t = trust.mapping(raw, where, field)
     sizes = trust.sequence(t.get("table_sizes"), where, f"{field}.table_sizes", 4096)
     if len(sizes) != len(schema.sparse):
-        raise TrustError(where, f"{field}.table_sizes", f"has {len(sizes)} values, the schema has {len(schema.sparse)} sparse features")
+        raise TrustError(where, f"{field}.table_sizes",
+                         f"has {len(sizes)} values, the schema has {len(schema.sparse)} sparse features")  # fmt: skip
     table_sizes = []
     for i, (n, f) in enumerate(zip(sizes, schema.sparse)):
-        table_sizes.append(trust.integer(n, where, f"{field}.table_sizes[{i}]", 1, f.num_embeddings if f.mapping != "vocab" else f.num_embeddings))
+        table_sizes.append(trust.integer(n, where, f"{field}.table_sizes[{i}]", 1, f.num_embeddings))
     vocab = {}
     vocab_raw = trust.mapping(t.get("vocab", {}), where, f"{field}.vocab")
     for f, n in zip(schema.sparse, table_sizes):
@@ -259,7 +260,8 @@ def check_transforms(raw: Any, schema: Schema, where: str, field: str) -> dict[s
             "size": trust.integer(e.get("size"), where, f"{g}.size", 0, f.num_embeddings - 1),
         }
         if vocab[f.name]["size"] + 1 != n:
-            raise TrustError(where, f"{field}.table_sizes", f"{f.name} has {n} rows, its vocabulary {vocab[f.name]['size']} ids plus row 0")
+            raise TrustError(where, f"{field}.table_sizes",
+                             f"{f.name} has {n} rows, its vocabulary {vocab[f.name]['size']} ids plus row 0")  # fmt: skip
     stats = {}
     stats_raw = trust.mapping(t.get("dense_stats", {}), where, f"{field}.dense_stats")
     for f in schema.dense:
@@ -283,7 +285,8 @@ def check_sizes(path: str, shards: list[Shard]) -> None:
     for s in shards:
         actual = listed.get(s.path.rsplit("/", 1)[-1])
         if actual is None:
-            raise TrustError(s.url, "", f"is missing (the manifest lists {len(shards)} shards); copy the whole folder again, or preprocess again")
+            raise TrustError(s.url, "", f"is missing (the manifest lists {len(shards)} shards); "
+                             "copy the whole folder again, or preprocess again")  # fmt: skip
         if actual != s.bytes:
             raise TrustError(s.url, "", f"has {actual} bytes, the manifest says {s.bytes} (truncated or altered); copy it again")
 

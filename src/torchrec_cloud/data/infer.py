@@ -164,7 +164,12 @@ class _Col:
         return self.numbers is not None and len(self.numbers) > 0 and bool(np.isin(self.numbers, (0.0, 1.0)).all())
 
     def describe(self) -> str:
-        what = f"list of {self.element}" if self.is_list else (str(self.type) if self.kind not in ("int", "float") or not pa.types.is_string(self.type) else f"{self.kind} (as text)")
+        if self.is_list:
+            what = f"list of {self.element}"
+        elif pa.types.is_string(self.type) and self.kind in ("int", "float"):
+            what = f"{self.kind} (as text)"
+        else:
+            what = str(self.type)
         return f"{what}, {self.distinct:,} distinct in {self.n:,} sampled rows, {100 * self.missing:.0f}% missing"
 
 

@@ -91,6 +91,8 @@ class SchemaSource(ShardSource):
                           shuffle=shuffle, seed=seed, window_rows=window_rows, io_threads=io_threads)  # fmt: skip
 
     def _read(self, shard: Any, start: int, count: int, itemsize: int, what: str) -> bytes:
+        if count == 0:  # an empty range (rows whose lists are all empty): no read at all
+            return b""
         data = storage.read_bytes(shard.url, start=start, end=start + count * itemsize)
         if len(data) != count * itemsize:
             raise storage.StorageError(shard.url, f"shorter than the manifest says ({what}); copy it again, or preprocess again")

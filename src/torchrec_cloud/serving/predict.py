@@ -222,7 +222,8 @@ class RawRows:
         schema = parse_schema(config.get("schema"), f"{where} (schema)")
         spec = check_transforms(config.get("transforms"), schema, where, "transforms")
         if spec["table_sizes"] != cfg.model.table_sizes:
-            raise trust.TrustError(where, "transforms.table_sizes", f"{spec['table_sizes']} differ from the model's tables {cfg.model.table_sizes}")
+            raise trust.TrustError(where, "transforms.table_sizes",
+                                   f"{spec['table_sizes']} differ from the model's tables {cfg.model.table_sizes}")  # fmt: skip
         self.transforms = Transforms(schema, read_vocabularies(model_dir, spec["vocab"], where), spec["dense_stats"])
         self.path, self.batch_size = path, batch_size
         probe = Input(path, schema, columns=[])
