@@ -96,7 +96,7 @@ def with_dataset_features(cfg: JobConfig) -> JobConfig:
     from ``--dataset_path``'s manifest when a schema made that dataset; else ``cfg``."""
     if cfg.data.dataset_path is None:
         return cfg
-    from torchrec_cloud.data.reader import model_features
+    from torchrec_cloud.data.dataset import model_features
 
     return model_features(cfg)
 

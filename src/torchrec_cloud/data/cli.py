@@ -196,7 +196,7 @@ def cmd_schema(ns: argparse.Namespace) -> int:
 def cmd_verify(ns: argparse.Namespace) -> int:
     from torchrec_cloud.data.criteo_format import load_manifest, verify_files, verify_shards
     from torchrec_cloud.data.dataset import is_schema_dataset, load_dataset
-    from torchrec_cloud.data.reader import read_manifest
+    from torchrec_cloud.data.dataset import read_manifest
     from torchrec_cloud.trust import TrustError
 
     try:

@@ -21,12 +21,14 @@ file and field (:mod:`torchrec_cloud.trust`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from torchrec_cloud import checksum, storage, trust
+from torchrec_cloud.config import ConfigError, JobConfig
 from torchrec_cloud.data.schema import Schema, parse_schema
 from torchrec_cloud.trust import TrustError
 
@@ -316,3 +318,52 @@ def read_vocabularies(folder: str, entries: dict[str, dict], where: str) -> dict
             raise TrustError(url, "values", "lists an id twice")
         out[name] = values
     return out
+
+
+def read_manifest(path: str) -> dict:
+    """The manifest at ``path`` as JSON, size-capped, or a ConfigError saying what to do."""
+    url = storage.join(path, MANIFEST)
+    try:
+        return trust.load_json(url)
+    except storage.StorageNotFoundError:
+        if storage.exists(storage.join(path, "_plan.json")):
+            hint = "an interrupted preprocessing run: run the same command again to finish it"
+        else:
+            hint = (f"make it with: torchrec-cloud data preprocess --schema FILE --input FILES --output {path}, "
+                    "or --format kaggle|terabyte for Criteo")  # fmt: skip
+        raise ConfigError("dataset_path", f"{url} not found ({hint})") from None
+    except trust.TrustError as e:
+        raise ConfigError("dataset_path", str(e)) from None
+
+
+def model_features(cfg: JobConfig) -> JobConfig:
+    """``cfg`` with the model's features taken from its dataset's manifest when the dataset was
+    made from a schema: dense count, sparse names, table sizes, pooling (else ``cfg``)."""
+    if cfg.data.dataset_path is None:
+        return cfg
+    from torchrec_cloud.data.criteo_format import FORMAT_NAME as CRITEO_FORMAT
+
+    try:
+        manifest = read_manifest(cfg.data.dataset_path)
+    except ConfigError:
+        raise
+    except storage.StorageError as e:
+        raise ConfigError("dataset_path", str(e)) from None
+    if isinstance(manifest, dict) and manifest.get("format") == CRITEO_FORMAT:
+        return cfg
+    try:
+        ds = load_dataset(cfg.data.dataset_path, manifest, check_files=False)
+    except trust.TrustError as e:
+        raise ConfigError("dataset_path", str(e)) from None
+    if cfg.data.multi_hot_sizes is not None:
+        raise ConfigError("multi_hot_sizes", "applies to Criteo data; a schema's list features are bags of their own")
+    sparse = ds.schema.sparse
+    model = dataclasses.replace(
+        cfg.model,
+        num_dense_features=len(ds.schema.dense),
+        num_sparse_features=len(sparse),
+        num_embeddings_per_feature=list(ds.table_sizes),
+        feature_names=[f.name for f in sparse],
+        pooling=[f.pooling for f in sparse],
+    )
+    return dataclasses.replace(cfg, model=model)

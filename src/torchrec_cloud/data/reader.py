@@ -7,13 +7,12 @@ when its manifest is a schema's (a Criteo folder goes to :mod:`~torchrec_cloud.d
 Rows reach ranks as for every layout (:mod:`~torchrec_cloud.data.shards`); this module reads
 a schema's records and list features and makes batches of them (:func:`batch_of`, also what
 ``predict`` calls on raw rows after the same transforms). The model's features, table sizes
-and pooling come from the manifest (:func:`model_features`), applied to the config before
-the run starts.
+and pooling come from the manifest (``dataset.model_features``), applied to the config
+before the run starts.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -23,7 +22,15 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_cloud import storage, trust
 from torchrec_cloud.config import ConfigError, JobConfig
-from torchrec_cloud.data.dataset import MANIFEST, OFFSET_BYTES, Dataset, Rows, is_schema_dataset, load_dataset
+from torchrec_cloud.data.dataset import (
+    OFFSET_BYTES,
+    Dataset,
+    Rows,
+    is_schema_dataset,
+    load_dataset,
+    model_features,
+    read_manifest,
+)
 from torchrec_cloud.data.shards import IO_THREADS, WINDOW_ROWS, ShardSource
 
 
@@ -122,55 +129,6 @@ class SchemaSource(ShardSource):
 
     def facts(self) -> dict[str, Any]:
         return self.dataset.facts()
-
-
-def read_manifest(path: str) -> dict:
-    """The manifest at ``path`` as JSON, size-capped, or a ConfigError saying what to do."""
-    url = storage.join(path, MANIFEST)
-    try:
-        return trust.load_json(url)
-    except storage.StorageNotFoundError:
-        if storage.exists(storage.join(path, "_plan.json")):
-            hint = "an interrupted preprocessing run: run the same command again to finish it"
-        else:
-            hint = (f"make it with: torchrec-cloud data preprocess --schema FILE --input FILES --output {path}, "
-                    "or --format kaggle|terabyte for Criteo")  # fmt: skip
-        raise ConfigError("dataset_path", f"{url} not found ({hint})") from None
-    except trust.TrustError as e:
-        raise ConfigError("dataset_path", str(e)) from None
-
-
-def model_features(cfg: JobConfig) -> JobConfig:
-    """``cfg`` with the model's features taken from its dataset's manifest when the dataset was
-    made from a schema: dense count, sparse names, table sizes, pooling (else ``cfg``)."""
-    if cfg.data.dataset_path is None:
-        return cfg
-    from torchrec_cloud.data.criteo_format import FORMAT_NAME as CRITEO_FORMAT
-
-    try:
-        manifest = read_manifest(cfg.data.dataset_path)
-    except ConfigError:
-        raise
-    except storage.StorageError as e:
-        raise ConfigError("dataset_path", str(e)) from None
-    if isinstance(manifest, dict) and manifest.get("format") == CRITEO_FORMAT:
-        return cfg
-    try:
-        ds = load_dataset(cfg.data.dataset_path, manifest, check_files=False)
-    except trust.TrustError as e:
-        raise ConfigError("dataset_path", str(e)) from None
-    if cfg.data.multi_hot_sizes is not None:
-        raise ConfigError("multi_hot_sizes", "applies to Criteo data; a schema's list features are bags of their own")
-    sparse = ds.schema.sparse
-    model = dataclasses.replace(
-        cfg.model,
-        num_dense_features=len(ds.schema.dense),
-        num_sparse_features=len(sparse),
-        num_embeddings_per_feature=list(ds.table_sizes),
-        feature_names=[f.name for f in sparse],
-        pooling=[f.pooling for f in sparse],
-    )
-    return dataclasses.replace(cfg, model=model)
 
 
 def build_dataset_source(cfg: JobConfig, rank: int, world_size: int) -> ShardSource:

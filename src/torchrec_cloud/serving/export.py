@@ -228,7 +228,7 @@ def dataset_transforms(cfg: JobConfig) -> tuple[dict[str, Any], dict[str, bytes]
         return {}, {}
     from torchrec_cloud import checksum, trust
     from torchrec_cloud.data.dataset import is_schema_dataset, load_dataset
-    from torchrec_cloud.data.reader import read_manifest
+    from torchrec_cloud.data.dataset import read_manifest
 
     try:
         manifest = read_manifest(path)

@@ -54,8 +54,8 @@ def eval_source(cfg: JobConfig, batch_size: int):
 
         return SyntheticSource(cfg, 0, 1)
     from torchrec_cloud.data.criteo_reader import CriteoTSV, build_criteo_source, load_manifest
-    from torchrec_cloud.data.dataset import is_schema_dataset, load_dataset
-    from torchrec_cloud.data.reader import SchemaSource, read_manifest
+    from torchrec_cloud.data.dataset import is_schema_dataset, load_dataset, read_manifest
+    from torchrec_cloud.data.reader import SchemaSource
 
     if is_file(cfg.data.dataset_path):
         return CriteoTSV(cfg.data.dataset_path, batch_size=batch_size, table_sizes=cfg.model.table_sizes,
