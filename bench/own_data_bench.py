@@ -41,7 +41,7 @@ from torchrec_cloud.data import events_gen  # noqa: E402
 from torchrec_cloud.data.dataset import load_dataset  # noqa: E402
 from torchrec_cloud.data.preprocess import Options, preprocess  # noqa: E402
 from torchrec_cloud.data.schema import Split, parse_schema  # noqa: E402
-from torchrec_cloud.trust import parse_yaml  # noqa: E402
+from torchrec_cloud.untrusted import parse_yaml  # noqa: E402
 
 
 

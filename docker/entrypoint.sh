@@ -4,8 +4,8 @@
 #
 #   docker run IMAGE                                   # python train_torchrec_quickstart.py
 #   docker run IMAGE train_torchrec_quickstart.py --batch_size 4096
-#   docker run IMAGE -m torch.distributed.run --nproc_per_node=4 train_torchrec_quickstart.py
-#   docker run IMAGE torchrun --nproc_per_node=4 -m torchrec_cloud train --preset quickstart
+#   docker run IMAGE -m torch.distributed.run --standalone --nproc_per_node=4 train_torchrec_quickstart.py
+#   docker run IMAGE torchrun --standalone --nproc_per_node=4 -m torchrec_cloud train --preset quickstart
 #   docker run IMAGE torchrec-cloud train --preset criteo-1tb
 #   docker run -it IMAGE bash
 #

@@ -3,18 +3,27 @@
 maintained (last release 0.7.0); prefer gcp/torchrec_job.yaml, the Kubeflow manifests
 beside it, or `torchrec-cloud submit`.
 
-    python gcp/cloud_component.py --dry-run                # print the AppDef
-    pip install 'torchrec-cloud[torchx]' 'torchx[kubernetes]'
-    torchx run -s kubernetes -cfg namespace=torchrec,queue=default \
-        gcp/cloud_component.py:trainer --nodes 2 --image us-central1-docker.pkg.dev/your-project-id/torchrec/torchrec-cloud:0.1.0 -- --batch_size 4096
+    pip install -e '.[torchx]' 'torchx[kubernetes]'
+    python gcp/cloud_component.py --dry-run --nodes 2      # the Volcano Job it would submit
+    python gcp/cloud_component.py --nodes 2 --image us-central1-docker.pkg.dev/your-project-id/torchrec/torchrec-cloud:0.1.0 -- --batch_size 4096
+    torchx run --dryrun --workspace "" -s kubernetes -cfg namespace=torchrec,queue=default,service_account=torchrec-trainer \
+        gcp/cloud_component.py:trainer --nodes 2
+
+torchx's kubernetes scheduler keeps only the instance type of where a pod may run: it sets
+no tolerations, no spot node selector and no grace period. `python gcp/cloud_component.py`
+runs this component through torchx's runner and writes those back into the job before it
+submits it; `torchx run` submits without them (no spot nodes, a 30 s grace period).
 """
 
-from __future__ import annotations
-
 import sys
+from typing import List, Optional
+
+from torchx import specs
 
 from torchrec_cloud.deploy.spec import DeploySpec
 from torchrec_cloud.deploy.torchx_component import build_app, main
+
+# No `from __future__ import annotations`: torchx reads these types at run time.
 
 
 def trainer(
@@ -26,7 +35,9 @@ def trainer(
     preset: str = "criteo-1tb",
     name: str = "torchrec-dlrm",
     spot: bool = False,
-):
+    checkpoint_url: Optional[str] = None,
+    mounts: Optional[List[str]] = None,
+) -> specs.AppDef:
     """DLRM training with torchrun's c10d rendezvous at replica 0, on Google Kubernetes Engine (GKE).
 
     Args:
@@ -37,13 +48,16 @@ def trainer(
         instance_type: machine type from the gcp profile
         preset: trainer preset (quickstart, criteo-1tb, mlperf-dcnv2)
         name: job name
-        spot: run on spot/preemptible nodes
+        spot: run on spot nodes (needs checkpoint_url; only `python gcp/cloud_component.py` places the pods there)
+        checkpoint_url: checkpoint folder or URL (gs://your-criteo-bucket/checkpoints, or a folder on the shared volume)
+        mounts: torchx mount options (type=bind,src=PATH,dst=PATH or type=volume,src=NAME,dst=PATH); default: claim filestore-pvc at /mnt/filestore
     """
     spec = DeploySpec(
         cloud="gcp", nodes=nodes, gpus_per_node=gpus_per_node, image=image,
-        instance_type=instance_type, preset=preset, name=name, spot=spot, train_args=list(train_args),
+        instance_type=instance_type, preset=preset, name=name, spot=spot, checkpoint_url=checkpoint_url,
+        train_args=list(train_args),
     )
-    return build_app(spec)
+    return build_app(spec, mounts=mounts)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 
 Same as ``torchrec-cloud submit --target vertex --cloud gcp``; every render flag works
 (``--spot``, ``--instance_type``, ``--preset``, training flags after ``--``). Needs
-``pip install 'torchrec-cloud[gcp]'``. The image defaults to the profile's registry.
+``pip install -e '.[gcp]'``. The image defaults to the profile's registry.
 """
 
 import sys
@@ -14,6 +14,14 @@ import sys
 from torchrec_cloud.deploy.layout import cloud_image
 from torchrec_cloud.deploy.profiles import load_profile
 from torchrec_cloud.deploy.submit import main
+
+
+TARGET = "vertex"
+
+
+def arguments(argv: list[str]) -> list[str]:
+    """What ``submit --target vertex`` is given for this script's ``argv``."""
+    return ["--cloud", "gcp", *defaults(argv), *argv]
 
 
 def defaults(argv: list[str]) -> list[str]:
@@ -27,5 +35,4 @@ def defaults(argv: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
-    argv = sys.argv[1:]
-    sys.exit(main(["--target", "vertex", "--cloud", "gcp", *defaults(argv), *argv]))
+    sys.exit(main(arguments(sys.argv[1:]), TARGET, prog=f"python {sys.argv[0]}", description=__doc__))

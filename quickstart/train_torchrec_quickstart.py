@@ -2,7 +2,7 @@
 
     python train_torchrec_quickstart.py
     python train_torchrec_quickstart.py --batch_size 4096 --embedding_dim 256 --num_epochs 10 --learning_rate 0.5
-    torchrun --nproc_per_node=4 train_torchrec_quickstart.py
+    torchrun --standalone --nproc_per_node=4 train_torchrec_quickstart.py
 
 Same as ``torchrec-cloud train --preset quickstart [flags]``; every train flag works here.
 """

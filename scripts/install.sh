@@ -44,22 +44,31 @@ echo "install.sh: installing torch $TORCH_VERSION + $fbgemm + torchrec $TORCHREC
 [ -x "$VENV/bin/python" ] || "$python" -m venv "$VENV"
 pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 
+# torch from TORCH_INDEX_URL with --index-url: that index is the only place pip looks in
+# that step (--extra-index-url would let a package of the same name elsewhere win by version:
+# dependency confusion). The CUDA fbgemm-gpu comes from the same index (built for its CUDA);
+# the CPU build, fbgemm-gpu-cpu, from PyPI, in its own step.
 torch_index=()
-[ -n "${TORCH_INDEX_URL:-}" ] && torch_index=(--extra-index-url "$TORCH_INDEX_URL")
+[ -n "${TORCH_INDEX_URL:-}" ] && torch_index=(--index-url "$TORCH_INDEX_URL")
+fbgemm_index=()
+[ "$device" = cuda ] && fbgemm_index=("${torch_index[@]}")
 # Expected noise, filtered: file:// index entries without a page for a package, and the
 # resolver's complaint that torchrec wants `fbgemm-gpu` (the CPU build has another name).
 quiet() {
   grep -v -e "is ignored: it is neither" -e "requires fbgemm-gpu, which is not installed" \
           -e "dependency resolver does not currently take into account" || true
 }
-"${pip[@]}" "${torch_index[@]}" "torch==$TORCH_VERSION" "$fbgemm" 2>&1 | quiet
+"${pip[@]}" "${torch_index[@]}" "torch==$TORCH_VERSION" 2>&1 | quiet
+"${pip[@]}" "${fbgemm_index[@]}" "$fbgemm" 2>&1 | quiet
 "${pip[@]}" --no-deps "torchrec==$TORCHREC_VERSION" 2>&1 | quiet
 "${pip[@]}" -r "$here/requirements/torchrec-deps.txt" 2>&1 | quiet
 "${pip[@]}" -e "$here[$EXTRAS]" 2>&1 | quiet
 
-if ! "$VENV/bin/python" -c "import torch, fbgemm_gpu, torchrec, torchrec_cloud" 2>/tmp/torchrec-cloud-import.err; then
+import_err="$(mktemp)"  # not a fixed /tmp name: another user could have placed it
+trap 'rm -f "$import_err"' EXIT
+if ! "$VENV/bin/python" -c "import torch, fbgemm_gpu, torchrec, torchrec_cloud" 2>"$import_err"; then
   echo "install.sh: the stack does not import (torch/fbgemm/torchrec must be the pinned pair):" >&2
-  tail -5 /tmp/torchrec-cloud-import.err >&2
+  tail -5 "$import_err" >&2
   exit 1
 fi
 "$VENV/bin/python" -c "import torch; assert torch.__version__.split('+')[0] == '$TORCH_VERSION', torch.__version__" || {

@@ -71,6 +71,29 @@ def cpu_kernel_path(request):
     native.set_enabled(True)
 
 
+@pytest.fixture(scope="session")
+def tiny_run_folder(tmp_path_factory):
+    """A folder as the docs' examples find it: a finished tiny run in ``runs/q`` (its
+    ``--output_dir``) with checkpoints in ``runs/q/ckpt`` at steps 10 and 20, written with
+    relative paths from this folder; and a small Criteo ``train.txt``. Read only: copy what
+    a test changes."""
+    import subprocess
+
+    from helpers import env_for_subprocess
+    from torchrec_cloud.data.criteo_gen import write_criteo_tsv
+
+    folder = tmp_path_factory.mktemp("tiny_run_folder")
+    tiny = ["--num_embeddings", "100", "--embedding_dim", "8", "--dense_arch_layer_sizes", "32,8",
+            "--over_arch_layer_sizes", "32,1", "--batch_size", "64", "--num_batches_per_epoch", "20",
+            "--num_eval_batches", "2", "--no-progress", "--no-tensorboard"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "torchrec_cloud", "train", *tiny, "--output_dir", "runs/q",
+                           "--checkpoint_path", "runs/q/ckpt", "--checkpoint_interval", "10"],
+                          cwd=folder, env=env_for_subprocess(), capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    write_criteo_tsv(str(folder / "train.txt"), rows=700, seed=0, vocab=50)
+    return folder
+
+
 def pytest_configure(config):
     """Plans that render/submit make (torchrec_cloud.plan) go to a folder of this session's,
     shared by its subprocesses: every session plans afresh, and nothing lands in ~/.cache."""

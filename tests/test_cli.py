@@ -114,3 +114,34 @@ def test_help_shows_defaults(capsys):
     assert "--print_config" in text
     code, out, _ = cli(capsys, "rehearse", "--help")
     assert code == 0 and "(default: " in out
+
+
+def test_help_reads_as_plain_text(capsys):
+    """Help without reST markup, examples that are whole, the flags that matter."""
+    proc = run([PYTHON, "-m", "torchrec_cloud", "--help"], timeout=60)
+    assert proc.returncode == 0 and "``" not in proc.stdout and "::" not in proc.stdout, proc.stdout
+    assert set(SUMMARIES) == set(COMMANDS)  # every command says what it does without its module
+    for command in ("export", "predict", "plan", "train", "submit"):
+        code, out, _ = cli(capsys, command, "--help")
+        assert code == 0 and "``" not in out and not any(line.rstrip().endswith("::") for line in out.splitlines())
+    code, out, _ = cli(capsys, "export", "--help")
+    assert "    torchrec-cloud export runs/q/checkpoints --output models/q" in out  # the example, not "::"
+    code, out, _ = cli(capsys, "plan", "--help")
+    assert "--embedding_kernel" in out and "--batch_size" in out and "--learning_rate" not in out
+    assert cli(capsys, "plan", "--gpus_per_node", "0", "--learning_rate", "0.5", "--help")[0] == 0  # still taken
+    code, out, _ = cli(capsys, "bench", "--help")
+    assert "--worker {ours,handwritten,bound}" in out  # the flag its example uses is listed
+    code, out, _ = cli(capsys, "launch", "--help")
+    assert code == 0 and "200  EXIT_PREEMPTED" in out and "`torchrun --help`" in out
+    assert "--nproc-per-node" not in out  # torchrun's own help is torchrun's
+
+
+@pytest.mark.parametrize("script, own, other", [("azure/azure_ml_training.py", "--subscription_id", "--project"),
+                                                ("gcp/vertex_ai_training.py", "--staging_bucket", "--workspace")])
+def test_cloud_scripts_help_is_their_own(script, own, other):
+    from helpers import REPO
+
+    proc = run([PYTHON, script, "--help"], cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"usage: python {script}") and own in proc.stdout and other not in proc.stdout
+    assert "--launcher" not in proc.stdout  # a managed service runs no Kubernetes objects of ours

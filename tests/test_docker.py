@@ -5,6 +5,8 @@ run directly with the seed guide's argument forms."""
 
 from __future__ import annotations
 
+import functools
+import io
 import json
 import os
 import re
@@ -97,6 +99,74 @@ def test_image_runs_as_non_root_with_exec_form_entrypoint(path):
             assert (ROOT / src).exists(), f"{path}: COPY {src} does not exist"
         if dest == entrypoint[0]:
             assert sources == ["docker/entrypoint.sh"]
+
+
+def image_packages(dockerfile: str) -> set[str]:
+    """The distributions an image built from ``dockerfile`` (its text) installs: this package's
+    dependencies and those of the extras its install.sh step is given, read from pyproject.toml."""
+    import tomllib
+
+    (run,) = [i["value"] for i in DockerfileParser(fileobj=io.BytesIO(dockerfile.encode())).structure
+              if i["instruction"] == "RUN" and "install.sh" in i["value"]]
+    env = dict(w.split("=", 1) for w in shlex.split(run)[:-2])
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = list(project["dependencies"])
+    for extra in env.get("EXTRAS", "").split(","):
+        requirements += project["optional-dependencies"].get(extra, [])
+    return {re.split(r"[\s\[<>=!~;]", r, maxsplit=1)[0].lower() for r in requirements}
+
+
+@functools.lru_cache(maxsize=1)
+def job_urls() -> dict[str, str]:
+    """URL -> where it is, for every bucket URL the trainer of a job is given: the committed
+    cloud manifests, and each cloud README's own render (checkpoints and data in the object
+    store the README names)."""
+    from torchrec_cloud.deploy.manifests import load_documents, render_bundle
+    from torchrec_cloud.deploy.profiles import load_profile
+    from torchrec_cloud.deploy.spec import DeploySpec
+
+    clouds = ("aws", "azure", "gcp")
+    committed = ["quickstart/kubernetes_job.yaml", *(f"{c}/{f}" for c in clouds for f in layout.LAUNCHER_FILES.values())]
+    bundles = {rel: (ROOT / rel).read_text() for rel in committed}
+    for cloud in clouds:
+        store = load_profile(cloud).object_store
+        spec = DeploySpec(cloud=cloud, nodes=2, plan=False, spot=True, checkpoint_url=f"{store}/checkpoints",
+                          data_url=f"{store}/criteo")
+        bundles[f"render --cloud {cloud} --checkpoint_url {store}/checkpoints --data_url {store}/criteo"] = (
+            render_bundle(spec))
+    urls = {}
+    for where, text in bundles.items():
+        for doc in load_documents(text):
+            for word in re.findall(r"\b[a-z0-9]+://[^\s'\"]+", json.dumps(doc)):
+                urls.setdefault(word, where)
+    return urls
+
+
+def missing_filesystems(dockerfile: str, urls: dict[str, str]) -> list[str]:
+    """One line for each URL whose filesystem package (fsspec's, by storage.BACKENDS) the
+    image does not install."""
+    from torchrec_cloud import storage
+
+    installed = image_packages(dockerfile)
+    problems = []
+    for url, where in urls.items():
+        backend = storage.BACKENDS.get(url.split("://")[0])
+        if backend is None:  # http(s):// and the like: not a path the trainer opens
+            continue
+        for package in ("fsspec", backend.module):
+            if package not in installed:
+                problems.append(f"{where}: {url} needs {package}, which the image does not install")
+    return problems
+
+
+@pytest.mark.parametrize("path", DOCKERFILES)
+def test_image_installs_the_filesystem_of_every_url_a_job_is_given(path):
+    urls = dict(job_urls())
+    assert {u.split("://")[0] for u in urls} >= {"s3", "gs", "az"}, urls  # every cloud's bucket is looked at
+    assert missing_filesystems((ROOT / path).read_text(), urls) == []
+    # The check sees an image without them: the `deploy` extra alone (what the images had).
+    without = (ROOT / path).read_text().replace("EXTRAS=deploy,cloud ", "EXTRAS=deploy ")
+    assert any("needs s3fs" in p for p in missing_filesystems(without, urls))
 
 
 def test_dockerignore_keeps_the_context_small():

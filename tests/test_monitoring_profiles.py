@@ -51,8 +51,9 @@ def test_every_local_rank_gets_a_scraped_port(cloud: str, nproc: int) -> None:
     assert [c["containerPort"] for c in p.container_ports] == list(range(9400, 9400 + nproc))
     names = [c["name"] for c in p.container_ports]
     assert len(set(names)) == nproc and all(PORT_NAME.match(n) for n in names), names
-    # The endpoint outlives the run by more than one scrape interval (30s by default).
-    assert p.container_args == ["--prometheus_port", "9400", "--prometheus_linger", "35"]
+    # The endpoint outlives the run by more than one scrape interval (30s by default), and is
+    # reachable by the collector (the trainer binds 127.0.0.1 unless told otherwise).
+    assert p.container_args == ["--metrics_host", "0.0.0.0", "--prometheus_port", "9400", "--prometheus_linger", "35"]
     assert p.pod_annotations["prometheus.io/port"] == "9400"
     for m in p.manifests:
         assert m["apiVersion"] and m["kind"] and m["metadata"]["name"] and m["metadata"]["namespace"]

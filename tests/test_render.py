@@ -359,7 +359,8 @@ def test_a_new_cloud_is_only_data(tmp_path):
         text = yaml.safe_dump_all(docs)
         for needle in ("amd.com/gpu", "example.com/nic", "OTHER_NET", "other.example.com/identity", "big-8"):
             assert needle in text, (launcher, needle)
-    core = [ROOT / "src/torchrec_cloud/deploy" / n for n in ("manifests.py", "spec.py", "profiles.py", "render.py")]
+    core = [ROOT / "src/torchrec_cloud/deploy" / n
+            for n in ("manifests.py", "spec.py", "profiles.py", "render.py", "schedulable.py", "managed.py")]
     # Storage templates are per storage kind (picked by a profile's data), so they may name it.
     storage_templates = {(load_profile(c).storage or {}).get("template") for c in CLOUDS}
     core += sorted(p for p in (ROOT / "src/torchrec_cloud/deploy/templates").glob("*.j2")
@@ -423,10 +424,10 @@ def test_the_job_carries_the_planned_kernel_choice():
     note, args = _planned(render(cloud="aws", instance_type="p4de.24xlarge", nodes=1, gpus_per_node=1,
                                  preset="criteo-1tb"))  # fmt: skip
     assert args[args.index("--embedding_kernel") + 1] == "auto"
-    assert "fused_uvm_caching on 1 rank(s)" in note
+    assert "fused_uvm_caching on 1 rank" in note
     # Two nodes of 8 A100s hold every table in GPU memory: the job pins that.
     note, args = _planned(render(cloud="aws", nodes=2, gpus_per_node=8, preset="criteo-1tb"))
-    assert args[args.index("--embedding_kernel") + 1] == "fused" and note.startswith("26 tables: 26 fused on 16 rank(s)")
+    assert args[args.index("--embedding_kernel") + 1] == "fused" and note.startswith("26 tables: 26 fused on 16 ranks")
     # The user's kernel wins, once.
     _, args = _planned(render(cloud="aws", nodes=2, gpus_per_node=8, preset="criteo-1tb",
                               train_args=["--embedding_kernel", "fused_uvm_caching"]))  # fmt: skip

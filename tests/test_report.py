@@ -171,3 +171,34 @@ def test_runs_of_other_batch_sizes_and_resumes_are_drawn_against_samples(tmp_pat
     assert code == 0, stderr
     assert "resumed 1x" in stdout
     assert all((tmp_path / "plots" / name).stat().st_size > 10_000 for name in PLOTS)
+
+
+def test_val_and_test_labels_sit_by_their_own_points_and_the_gap_is_tests(tmp_path: Path, capsys) -> None:
+    """A final test AUC above the validation AUC at the same step (the quickstart's case): each
+    label is written beside its own point, named; the summary's Bayes column is the test
+    split's, the one its gap is measured from."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from torchrec_cloud.report import _annotate_few
+
+    _, ax = plt.subplots()
+    _annotate_few(ax, {"val": [(200, 0.7957)], "test": [(200, 0.7973)]})
+    labels = {t.get_text(): t.xyann[1] for t in ax.texts}
+    plt.close("all")
+    assert labels == {"val 0.7957": -14, "test 0.7973": 6}  # test above its point, val below its own
+
+    records = [{"event": "start", "step": 0, "world_size": 1, "bayes_auc": 0.8143,
+                "bayes_auc_by_split": {"val": 0.8143, "test": 0.8145}},
+               {"event": "train", "step": 200, "loss": 0.5, "samples_per_s": 1e4},
+               {"event": "eval", "split": "val", "step": 200, "auc": 0.7957, "bayes_auc": 0.8143},
+               {"event": "eval", "split": "test", "step": 200, "auc": 0.7973, "bayes_auc": 0.8145},
+               {"event": "end", "step": 200}]  # fmt: skip
+    write_records(tmp_path / "q", records)
+    code, out, err = cli(capsys, "report", str(tmp_path / "q"), "--output", str(tmp_path / "plots"))
+    assert code == 0, err
+    head, _, row = out.splitlines()[:3]
+    assert head.split()[-4:] == ["test", "Bayes", "gap", "time"]
+    assert row.split()[-4:-1] == ["0.7973", "0.8145", "0.0172"]  # test AUC, its Bayes, their gap

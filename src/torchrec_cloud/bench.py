@@ -21,10 +21,10 @@ process on as many threads), so ours and the bound are compared at the same mome
 bound runs' own rates, ~1 minute away, are reported beside it (``matmul_gflops_start`` and
 ``_end``).
 
-On a GPU machine, measure one worker at a time (``--backend auto`` picks NCCL there), with
-the dense matmuls in float32, TF32 or bfloat16 autocast, and optionally a profile::
+On a GPU machine, measure one worker at a time (``--worker``; ``--backend auto`` picks NCCL
+there), with the dense matmuls in float32, TF32 or bfloat16 autocast, and optionally a profile::
 
-    torchrec-cloud bench --worker ours --steps 50 --warmup 10 --precision bf16 \
+    torchrec-cloud bench --worker ours --steps 50 --warmup 10 --precision bf16 \\
         --profile prof.txt -- --preset quickstart --synthetic random --batch_size 65536
 """
 
@@ -393,7 +393,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--profile", metavar="FILE",
                         help="with --worker ours: profile 5 more steps; top ops to FILE, a Chrome trace to FILE.trace.json")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object on the last line")
-    parser.add_argument("--worker", choices=["ours", "handwritten", "bound"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["ours", "handwritten", "bound"],
+                        help="measure one of them only, in this process (under torchrun: ours on its ranks), and "
+                             "print its figures as one BENCH JSON line: what the comparison runs, and the GPU "
+                             "scripts")  # fmt: skip
     parser.add_argument("train_args", nargs="*", help="extra train flags after --, e.g. -- --embedding_dim 128")
     parser.set_defaults(func=_main)
     return parser

@@ -5,7 +5,7 @@ returning the parser it added, with ``func`` set to a callable taking the parsed
 namespace and returning an exit code::
 
     torchrec-cloud train --preset quickstart --output_dir runs/q
-    torchrun --nproc_per_node=2 -m torchrec_cloud train --preset quickstart
+    torchrun --standalone --nproc_per_node=2 -m torchrec_cloud train --preset quickstart
     torchrec-cloud bench --json
 
 Bad flags and bad values end with one line naming the flag and exit code 2; what storage,
@@ -18,11 +18,13 @@ flag is accepted as ``--flag_name`` or ``--flag-name``; abbreviations are refuse
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import re
 import sys
 from typing import Optional
 
-from torchrec_cloud import __version__
+from torchrec_cloud import __version__, install_extra
 from torchrec_cloud.config import ConfigError, FlagParser
 from torchrec_cloud.errors import CommandError
 from torchrec_cloud.launch import EXIT_CONFIG, EXIT_FAILED, end_pod
@@ -45,16 +47,19 @@ COMMANDS = {
     "rehearse": "torchrec_cloud.rehearse",
 }
 
-# What `torchrec-cloud --help` says of each command; a command not named here is listed
-# with the first line of its module's docstring.
+# What `torchrec-cloud --help` says of each command (every command has a line here: the
+# top-level help imports no command's module).
 SUMMARIES = {
     "train": "train a DLRM/DCNv2 model",
     "bench": "measure training throughput against a plain-PyTorch DLRM and the compute bound",
     "report": "plot loss, AUC and samples/s of one or more runs and print a summary",
+    "plan": "TorchRec's sharding plan for a cluster: does the model fit, where each table goes",
     "render": "render Kubernetes manifests (Indexed Job, PyTorchJob, TrainJob) for a cloud",
     "submit": "submit a training job to Kubernetes (kubectl), Azure ML or Vertex AI",
     "data": "prepare data for training: propose a schema, preprocess Parquet/CSV or Criteo TSV into shards",
     "checkpoint": "list and inspect checkpoints (a run folder, a local folder or s3://, gs://, az:// URL)",
+    "export": "export a training checkpoint to a model directory that serves (TorchScript + weights)",
+    "predict": "score a dataset with an exported model: one click probability per row, AUC and log loss",
     "launch": "torchrun for Kubernetes pods: same flags, exit codes a controller can act on",
     "rehearse": "run a rendered job's pods on this machine under its controller's rules, with faults",
 }
@@ -79,19 +84,28 @@ class OneLineParser(FlagParser):
         self.exit(EXIT_CONFIG, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _summary(name: str) -> str:
-    """The command's line in ``--help``, without importing its module."""
-    if name in SUMMARIES:
-        return SUMMARIES[name]
-    import ast
-    import importlib.util
+def plain(text: Optional[str]) -> Optional[str]:
+    """A module docstring as ``--help`` shows it, without reST's markup: double backquotes
+    become single ones, a role (:mod:, :func:, ...) its target, a closing "::" a colon."""
+    if not text:
+        return text
+    text = re.sub(r":(?:mod|func|class|meth|attr|data|exc):`~?([^`]+)`", r"`\1`", text)
+    text = re.sub(r"``([^`]+)``", r"`\1`", text)
+    return re.sub(r"[ \t]*::$", ":", text, flags=re.M)
 
-    spec = importlib.util.find_spec(COMMANDS[name])
-    if spec is None or spec.origin is None:
-        return ""
-    with open(spec.origin, encoding="utf-8") as f:
-        doc = ast.get_docstring(ast.parse(f.read())) or ""
-    return doc.split("\n")[0]
+
+def _plain_help(parser: argparse.ArgumentParser) -> None:
+    """``plain`` on the texts of ``parser``, its groups and its sub-commands' parsers."""
+    parser.description, parser.epilog = plain(parser.description), plain(parser.epilog)
+    for group in parser._action_groups:
+        group.description = plain(group.description)
+    for action in parser._actions:
+        if action.help and action.help != argparse.SUPPRESS:
+            action.help = plain(action.help)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):
+                _plain_help(sub)
 
 
 def version() -> str:
@@ -114,9 +128,9 @@ def build_parser(argv: Optional[list[str]] = None) -> FlagParser:
     first = next((a for a in argv or [] if not a.startswith("-")), None)
     for name, module in COMMANDS.items():
         if name == first:
-            importlib.import_module(module).add_parser(sub)
+            _plain_help(importlib.import_module(module).add_parser(sub))
         else:  # named for --help and for errors; parsing it again would import the module
-            sub.add_parser(name, help=_summary(name), add_help=False)
+            sub.add_parser(name, help=SUMMARIES[name], add_help=False)
     _name_commands(parser)
     return parser
 
@@ -140,8 +154,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         extra = EXTRAS.get((e.name or "").split(".")[0])
         if extra is None:
             raise
-        print(f"torchrec-cloud {name}: error: needs {e.name}: pip install 'torchrec-cloud[{extra}]' "
-              "(or `make install`)", file=sys.stderr)  # fmt: skip
+        print(f"torchrec-cloud {name}: error: needs {e.name}: {install_extra(extra)}", file=sys.stderr)
         return EXIT_CONFIG
 
 
@@ -149,11 +162,9 @@ def _command(argv: list[str]) -> str:
     return next((a for a in argv if a in COMMANDS), "")
 
 
-def _name_commands(parser: "argparse.ArgumentParser", prefix: str = "") -> None:
+def _name_commands(parser: argparse.ArgumentParser, prefix: str = "") -> None:
     """Every (sub-)command's parser sets ``command_name`` (``data preprocess``, ``checkpoint
     ls``): the name its errors are printed with."""
-    import argparse
-
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for name, sub in action.choices.items():

@@ -310,6 +310,21 @@ PRIVATE: tuple[Private, ...] = (
              "should_synchronize_after_execute"),
     ),
     Private(
+        "torch.distributed.checkpoint DefaultLoadPlanner.load_bytes (flatten_state_dict, original_state_dict, "
+        "mappings, state_dict), _traverse.set_element",
+        "checkpoint/dcp.py load_planner (compat.data_only_load_planner): non-tensor entries loaded as data only",
+        _all_of(_pinned(**{"torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.load_bytes": "3e1f1187575e6b10"}),
+                _assigned_in("torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.__init__",
+                             "flatten_state_dict", "original_state_dict", "mappings"),
+                _has("torch.distributed.checkpoint._traverse", "set_element")),
+    ),
+    Private(
+        "torch.distributed.checkpoint FileSystemReader.read_metadata (replaced), StorageMeta.load_id",
+        "checkpoint/dcp.py _reader_class: .metadata unpickled with an allowlist and checked, not pickle.load",
+        _all_of(_pinned(**{"torch.distributed.checkpoint.filesystem.FileSystemReader.read_metadata": "03bb3f8561a7c4b4"}),
+                _assigned_in("torch.distributed.checkpoint.filesystem.FileSystemReader.__init__", "load_id", "path")),
+    ),
+    Private(
         "torch.distributed.checkpoint state_dict_loader._load_state_dict, default_planner._EmptyStateDictLoadPlanner, "
         "_nested_dict.flatten_state_dict",
         "checkpoint/dcp.py load_full_state: a whole checkpoint in one process (checkpoint inspect, tests)",
@@ -430,16 +445,36 @@ def already_staged() -> Any:
     return AlreadyStaged()
 
 
-def load_whole(storage_reader: Any) -> dict[str, Any]:
+def load_whole(storage_reader: Any, planner: Any) -> dict[str, Any]:
     """A whole DCP checkpoint in this one process, without a process group, as a flat dict
-    (what torch's ``dcp_to_torch_save`` does: an empty state dict that the planner fills from
-    the checkpoint's own index, where the public ``load()`` fills only keys it is given)."""
+    (what torch's ``dcp_to_torch_save`` does: an empty state dict that ``planner``, from
+    :func:`data_only_load_planner` with ``whole``, fills from the checkpoint's own index, where
+    the public ``load()`` fills only keys it is given)."""
     _need("torch.distributed.checkpoint state_dict_loader")
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=storage_reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    _load_state_dict(state, storage_reader=storage_reader, planner=planner, no_dist=True)
     flat, _ = flatten_state_dict(state)
     return flat
+
+
+def data_only_load_planner(load_object: Callable[[io.BytesIO, str], Any], whole: bool = False) -> Any:
+    """DCP's ``DefaultLoadPlanner`` (``whole``: its ``_EmptyStateDictLoadPlanner``, which builds
+    the state dict from the checkpoint's index) whose non-tensor entries load through
+    ``load_object(bytes, fqn)``: torch 2.13's ``load_bytes`` loads them with
+    ``torch.load(weights_only=False)``, which runs whatever the bytes name. This is that method
+    with the loader swapped (pinned: an upgrade that changes it is audited here)."""
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+
+    class DataOnlyLoadPlanner(_EmptyStateDictLoadPlanner if whole else DefaultLoadPlanner):  # type: ignore[misc]
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            loaded = load_object(value, read_item.dest_index.fqn)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    return DataOnlyLoadPlanner()

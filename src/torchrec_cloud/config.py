@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import re
 import sys
@@ -389,8 +390,9 @@ class OutputConfig:
     prometheus_port: Optional[int] = None
     """Serve Prometheus metrics over HTTP: rank r listens on this port + its local rank
     (off when not given)."""
-    metrics_host: str = "0.0.0.0"
-    """Address the Prometheus endpoint binds to (0.0.0.0: reachable by the cluster's collector)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the Prometheus endpoint binds to: this machine only by default (process and host
+    gauges are not for the network); 0.0.0.0 for a cluster's collector (rendered manifests pass it)."""
     system_metrics_interval: float = 5.0
     """Seconds between samples of GPU (NVML) and host CPU/memory gauges for Prometheus."""
     prometheus_linger: float = 0.0
@@ -410,6 +412,10 @@ class OutputConfig:
         _positive("prometheus_linger", self.prometheus_linger, allow_zero=True)
 
 
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,127}")
+"""What a job id (``--job_id``, recorded in every checkpoint it writes) may be."""
+
+
 @dataclass
 class CheckpointConfig:
     """Sharded checkpoints (torch.distributed.checkpoint) to a folder or a bucket, and resuming."""
@@ -422,16 +428,23 @@ class CheckpointConfig:
     checkpoint_keep: int = 3
     """Keep the newest this many complete checkpoints, deleting older ones (0: keep all)."""
     resume_from: Optional[str] = None
-    """Resume from this checkpoint (a step_NNNNNNNN folder, or a folder of them: its newest
-    complete one) instead of the newest under --checkpoint_path."""
+    """Resume from this checkpoint (a step_NNNNNNNN folder, a folder of them or a run folder:
+    its newest complete one) instead of the newest under --checkpoint_path."""
     async_checkpoint: bool = False
     """Write checkpoints in a background thread; training waits only while the state is
     copied in memory."""
     checkpoint_checksums: bool = True
     """Record a checksum of every checkpoint file as it is written, and check what a resume
     reads against them (a damaged checkpoint is skipped); off: file sizes only."""
+    job_id: Optional[str] = None
+    """The job whose checkpoints these are: a run never overwrites or deletes another job's
+    checkpoints, and will not start on a --checkpoint_path that holds them. Default:
+    $TORCHREC_CLOUD_JOB_ID, else torchrun's --rdzv_id when named (the rendered manifests name
+    the job), else the job of the checkpoint this run resumes, else a new one."""
 
     def __post_init__(self) -> None:
+        if self.job_id is not None and not JOB_ID.fullmatch(self.job_id):
+            raise ConfigError("job_id", f"must be 1 to 128 letters, digits or ._:@/+- , got {self.job_id!r}")
         _positive("checkpoint_interval", self.checkpoint_interval, allow_zero=True)
         _positive("checkpoint_keep", self.checkpoint_keep, allow_zero=True)
         for flag in ("checkpoint_path", "resume_from"):
@@ -603,6 +616,7 @@ def _with_defaults(formatter: type) -> type:
     return WithDefaults
 
 
+@functools.lru_cache(maxsize=None)  # a class's source is read and parsed once, not per parser built
 def _field_docs(cls: type) -> dict[str, str]:
     """Field docstrings (the string literal after each field) of a dataclass."""
     import ast
@@ -655,8 +669,10 @@ def flag_kwargs(tp: Any) -> dict[str, Any]:
     return {"type": tp}
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """Add ``--preset`` and one flag per leaf of :class:`JobConfig` (defaults: the preset's)."""
+def add_config_flags(parser: argparse.ArgumentParser, shown: Optional[Callable[[str, str], bool]] = None) -> None:
+    """Add ``--preset`` and one flag per leaf of :class:`JobConfig` (defaults: the preset's).
+    With ``shown``, ``--help`` lists only the flags for which ``shown(section, field)`` is
+    true; every flag is still accepted."""
     parser.add_argument(
         "--preset",
         choices=sorted(PRESETS),
@@ -668,11 +684,14 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     for section in SECTIONS:
         cls = typing.get_type_hints(JobConfig)[section]
         docs = _field_docs(cls)
-        group = parser.add_argument_group(section, cls.__doc__)
+        listed = shown is None or any(shown(section, f.name) for f in dataclasses.fields(cls))
+        group = parser.add_argument_group(section, cls.__doc__) if listed else parser
         for f in dataclasses.fields(cls):
             tp = hints_by_section[section][f.name]
             values = {name: getattr(getattr(cfg, section), f.name) for name, cfg in presets.items()}
             text = f"{docs.get(f.name, '')} {_preset_defaults(values)}".replace("%", "%%")
+            if shown is not None and not shown(section, f.name):
+                text = argparse.SUPPRESS
             kwargs = {"default": argparse.SUPPRESS, "help": text, **flag_kwargs(tp)}
             group.add_argument(f"--{f.name}", **kwargs)
 

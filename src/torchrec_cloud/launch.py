@@ -29,8 +29,8 @@ The c10d store lives in node 0's agent; torchrun guesses whether that is this no
 comparing the endpoint with the host's names, which misses the short DNS names pods
 resolve each other by. Where the controller says which node this is
 (``TORCHREC_CLOUD_NODE_RANK``, the Indexed Job's ``JOB_COMPLETION_INDEX``, Kubeflow
-Trainer's ``PET_NODE_RANK``, Azure ML's and Vertex AI's ``NODE_RANK``), ``is_host`` is set
-from it.
+Trainer's ``PET_NODE_RANK``, Azure ML's and Vertex AI's ``NODE_RANK``, AWS Batch's
+``AWS_BATCH_JOB_NODE_INDEX``), ``is_host`` is set from it.
 """
 
 from __future__ import annotations
@@ -56,7 +56,9 @@ _WHY = {
 _PID_ENV = "TORCHREC_CLOUD_LAUNCHER_PID"
 _DIR_ENV = "TORCHREC_CLOUD_LAUNCHER_DIR"
 _OUTCOME = "exit-code"
-_NODE_RANK_ENVS = ("TORCHREC_CLOUD_NODE_RANK", "JOB_COMPLETION_INDEX", "PET_NODE_RANK", "NODE_RANK")
+# AWS Batch sets AWS_BATCH_JOB_NODE_INDEX on every node of a multi-node parallel job.
+_NODE_RANK_ENVS = ("TORCHREC_CLOUD_NODE_RANK", "JOB_COMPLETION_INDEX", "PET_NODE_RANK", "NODE_RANK",
+                   "AWS_BATCH_JOB_NODE_INDEX")
 
 
 # -- worker side ------------------------------------------------------------------------
@@ -190,5 +192,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         prefix_chars="\0",  # every word goes to torchrun, --help included
     )
     parser.add_argument("torchrun_args", nargs=argparse.REMAINDER)
-    parser.set_defaults(func=lambda ns: main(ns.torchrun_args))
+    parser.set_defaults(func=lambda ns: _help(parser) if ns.torchrun_args[:1] in (["-h"], ["--help"]) else
+                        main(ns.torchrun_args))  # fmt: skip
     return parser
+
+
+def _help(parser: argparse.ArgumentParser) -> int:
+    """``launch --help``: what it adds to torchrun (the exit codes), and where torchrun's own
+    flags are listed; every one of them is taken here as torchrun takes it."""
+    print(f"usage: {parser.prog} [TORCHRUN FLAGS] (-m MODULE | SCRIPT) [ARGS ...]\n")
+    print(parser.description)
+    print("Flags: every flag of torchrun, as torchrun takes it (`torchrun --help` lists them); the\n"
+          "rendered pods set --nnodes, --nproc_per_node, --rdzv_backend, --rdzv_endpoint, --rdzv_id,\n"
+          "--max_restarts and --shutdown_timeout.")
+    return EXIT_OK

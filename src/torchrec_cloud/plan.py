@@ -38,6 +38,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from torchrec_cloud import counted
 from torchrec_cloud.config import ConfigError, JobConfig, add_config_flags, config_from_args
 
 if TYPE_CHECKING:  # torch and TorchRec load only when a plan is made
@@ -147,7 +148,7 @@ class PlanReport:
         """One line: the kernels, the cluster, the estimate (a pod annotation, the last line)."""
         kernels = ", ".join(f"{n} {k}" for k, n in self.kernels().items())
         step = f"; embedding step ~{self.estimated_step_ms:.2f} ms" if self.estimated_step_ms is not None else ""
-        return f"{len(self.tables)} tables: {kernels} on {self.cluster.world_size} rank(s){step}"
+        return f"{counted(len(self.tables), 'table')}: {kernels} on {counted(self.cluster.world_size, 'rank')}{step}"
 
     def to_json(self) -> dict[str, Any]:
         c = self.cluster
@@ -505,9 +506,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               f"{DEFAULT_HOST_GIB_PER_RANK} per rank)")
     cluster.add_argument("--procs_per_node", type=int, default=1, help="CPU nodes: ranks per node (default: 1)")
     parser.add_argument("--json", action="store_true", help="end with one line of JSON")
-    add_config_flags(parser)
+    add_config_flags(parser, shown=_planning_flag)
+    parser.epilog = ("Only the flags that change the plan are listed: the model's, the sharding's and\n"
+                     "--batch_size. Every other `train` flag is accepted too (a train command's flags can\n"
+                     "be pasted) and leaves the plan as it is.")
     parser.set_defaults(func=_main)
     return parser
+
+
+def _planning_flag(section: str, name: str) -> bool:
+    """The config fields the planner reads (:func:`plan_once`): the model, where its tables
+    may live, and the batch size, whose inputs it reserves memory for."""
+    return section in ("model", "sharding") or (section, name) == ("data", "batch_size")
 
 
 def _main(ns: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ colour per run, for comparison::
 
 With one run the plots go to ``RUN_DIR/report/``; with several, to ``./report/`` unless
 ``--output`` says otherwise. A RUN_DIR may also be the path of a metrics.jsonl file.
-Needs matplotlib (``pip install 'torchrec-cloud[report]'``).
+Needs matplotlib (``pip install -e '.[report]'``).
 
 The plots stay readable on what real runs do: a loss spike does not flatten the curve
 (the axis stops at a high percentile; the points above it are drawn at the top edge, with
@@ -28,6 +28,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
+
+from torchrec_cloud import install_extra
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -169,7 +171,7 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError as e:
-        raise ReportError("plots need matplotlib: pip install 'torchrec-cloud[report]'") from e
+        raise ReportError(f"plots need matplotlib: {install_extra('report')}") from e
     matplotlib.use("Agg")  # files only: no display on training machines
     import matplotlib.pyplot as plt
 
@@ -262,19 +264,18 @@ def write_plots(runs: list[Run], out_dir: Path) -> list[Path]:
     shown = []
     for i, run in enumerate(runs):
         c = colors[i % len(colors)]
+        points: dict[str, list[tuple[float, float]]] = {}
         for split, style in (("val", dict(marker="o", markersize=4)), ("test", dict(marker="*", markersize=12, linestyle="none"))):
             steps, values = run.series(run.evals.get(split, []), "auc")
             if steps:
                 x = xs(run, steps)
                 ax.plot(x, values, color=c, label=f"{run.name} {split}", zorder=3, **style)
                 shown += values
-                if len(values) <= 3:  # a few points: say their values (val above, test below)
-                    for xx, v in zip(x, values):
-                        ax.annotate(f"{v:.4f}", (xx, v), textcoords="offset points", fontsize="small",
-                                    xytext=(6, 6 if split == "val" else -14))  # fmt: skip
+                points[split] = list(zip(x, values))
+        _annotate_few(ax, points)
         bayes = (run.start or {}).get("bayes_auc")
         if isinstance(bayes, (int, float)):
-            ax.axhline(bayes, color=c, linestyle=":", linewidth=1, label=f"{run.name} Bayes-optimal {bayes:.4f}")
+            ax.axhline(bayes, color=c, linestyle=":", linewidth=1, label=f"{run.name} val Bayes-optimal {bayes:.4f}")
             shown.append(bayes)
     if shown:
         low, high = min(shown), max(shown)
@@ -292,6 +293,20 @@ def write_plots(runs: list[Run], out_dir: Path) -> list[Path]:
     ax.set_ylim(bottom=0)
     save(fig, ax, "samples_per_s.png")
     return written
+
+
+def _annotate_few(ax, points: dict[str, list[tuple[float, float]]]) -> None:
+    """Write the values of a split with three points or fewer beside them, named: at a step
+    where val and test both have a point, the higher one's label above it and the lower
+    one's below, so each label sits by its own point."""
+    for split, xy in points.items():
+        if len(xy) > 3:
+            continue
+        others = {x: v for name, pts in points.items() if name != split for x, v in pts}
+        for x, v in xy:
+            above = v >= others[x] if x in others else split == "val"
+            ax.annotate(f"{split} {v:.4f}", (x, v), textcoords="offset points", fontsize="small",
+                        xytext=(6, 6 if above else -14))
 
 
 def _last_step(run: Run) -> int:
@@ -328,6 +343,10 @@ def summarize(run: Run) -> dict[str, Any]:
     val = run.evals.get("val", [])
     test = run.evals.get("test", [])
     _, val_aucs = run.series(val, "auc")
+    # The Bayes-optimal AUC of the split the final figure is on (planted data: each split
+    # has its own), and how far the test AUC is from it.
+    bayes_test = _last(test, "bayes_auc") or (start.get("bayes_auc_by_split") or {}).get("test")
+    test_auc = _last(test, "auc")
     return {
         "name": run.name,
         "status": "finished" if run.end else "incomplete",
@@ -340,10 +359,11 @@ def summarize(run: Run) -> dict[str, Any]:
         "val_auc_last": _last(val, "auc"),
         "val_auc_best": max(val_aucs) if val_aucs else None,
         "val_logloss_last": _last(val, "logloss"),
-        "test_auc": _last(test, "auc"),
+        "test_auc": test_auc,
         "test_logloss": _last(test, "logloss"),
         "bayes_auc": start.get("bayes_auc"),
-        "bayes_auc_test": _last(test, "bayes_auc") or start.get("bayes_auc"),  # the test split's own, when recorded
+        "bayes_auc_test": bayes_test,
+        "bayes_gap_test": bayes_test - test_auc if bayes_test is not None and test_auc is not None else None,
         "wall_s": wall,
         "checkpoints": len(run.checkpoints),
         "checkpoint_save_s": statistics.mean(c["seconds"] for c in run.checkpoints
@@ -368,7 +388,7 @@ def format_summary(runs: list[Run], plots: list[Path]) -> str:
     rows = [summarize(r) for r in runs]
     width = max(12, *(len(r["name"]) for r in rows))
     head = (f"{'run':<{width}}  {'steps':>7}  {'ranks':>5}  {'loss':>15}  {'samples/s':>10}  "
-            f"{'val AUC':>7}  {'test AUC':>8}  {'Bayes':>6}  {'time':>8}")
+            f"{'val AUC':>7}  {'test AUC':>8}  {'test Bayes':>10}  {'gap':>6}  {'time':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         loss = f"{_fmt(r['loss_first'], '.3f')}->{_fmt(r['loss_last'], '.3f')}"
@@ -376,7 +396,7 @@ def format_summary(runs: list[Run], plots: list[Path]) -> str:
         lines.append(
             f"{r['name']:<{width}}  {r['steps']:>7}  {_fmt(r['world_size'], '.0f'):>5}  {loss:>15}  "
             f"{_fmt(r['samples_per_s'], ',.0f'):>10}  {_fmt(r['val_auc_last']):>7}  "
-            f"{_fmt(r['test_auc']):>8}  {_fmt(r['bayes_auc']):>6}  {wall:>8}"
+            f"{_fmt(r['test_auc']):>8}  {_fmt(r['bayes_auc_test']):>10}  {_fmt(r['bayes_gap_test']):>6}  {wall:>8}"
         )
     lines.append("")
     for r, run in zip(rows, runs):
@@ -387,8 +407,6 @@ def format_summary(runs: list[Run], plots: list[Path]) -> str:
             notes.append(f"best val AUC {_fmt(r['val_auc_best'])}")
         if r["test_logloss"] is not None:
             notes.append(f"test log loss {_fmt(r['test_logloss'])}")
-        if r["bayes_auc_test"] is not None and r["test_auc"] is not None:
-            notes.append(f"{r['bayes_auc_test'] - r['test_auc']:.4f} below Bayes")
         if r["data_wait_share"] is not None:
             notes.append(f"{r['data_wait_share']:.0%} of step time waiting for data")
         if r["checkpoints"]:

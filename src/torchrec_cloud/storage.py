@@ -12,7 +12,7 @@ the same URL handling and the same errors::
 
 Local paths go through ``os``/``pathlib``. ``s3://``, ``gs://`` (``gcs://``), ``az://``
 and ``abfs://`` URLs go through fsspec with s3fs, gcsfs and adlfs, imported only when such
-a URL is used (``pip install 'torchrec-cloud[cloud]'``). Credentials come only from each
+a URL is used (``pip install -e '.[cloud]'``). Credentials come only from each
 cloud's usual environment and identity chain, never from flags or files of this project:
 
 - S3: ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, the instance or pod
@@ -40,6 +40,7 @@ import uuid
 from dataclasses import dataclass
 from typing import IO, Any, Iterator, Optional
 
+from torchrec_cloud import install_extra
 from torchrec_cloud.errors import CommandError
 
 
@@ -166,8 +167,7 @@ def filesystem(url: str) -> tuple[Any, str]:
     except ImportError as e:
         raise StorageError(
             url,
-            f"{sch}:// URLs need the '{backend.module}' package: "
-            "pip install 'torchrec-cloud[cloud]'",
+            f"{sch}:// URLs need the '{backend.module}' package: {install_extra('cloud')}",
         ) from e
     options: dict[str, Any] = {}
     if backend.module == "gcsfs" and os.environ.get("STORAGE_EMULATOR_HOST"):

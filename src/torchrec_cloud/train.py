@@ -6,7 +6,7 @@ One process (CPU, or one GPU)::
 
 One node, several processes (gloo on CPU, NCCL on GPUs)::
 
-    torchrun --nproc_per_node=2 -m torchrec_cloud train --preset quickstart
+    torchrun --standalone --nproc_per_node=2 -m torchrec_cloud train --preset quickstart
 
 N nodes (run on every node; the rendezvous host is node 0)::
 

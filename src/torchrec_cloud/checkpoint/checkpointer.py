@@ -50,7 +50,9 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import time
+import uuid
 import warnings
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -58,6 +60,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from torchrec_cloud import checksum, storage
 from torchrec_cloud.checkpoint.dcp import (
     load_error,
+    load_planner,
     metadata_problem,
     private_copy,
     reader,
@@ -68,18 +71,24 @@ from torchrec_cloud.checkpoint.dcp import (
 from torchrec_cloud.checkpoint.store import (
     COMMIT_FILE,
     FORMAT_VERSION,
+    OWNER_FILE,
     CheckpointDamagedError,
     CheckpointError,
     CheckpointInfo,
     CheckpointWarning,
     apply_retention,
     checkpoint_name,
+    inspect_checkpoint,
+    list_checkpoints,
     newest_complete,
+    recorded_owner,
     resolve,
     warn_skipped,
+    write_owner,
 )
 from torchrec_cloud.compat import already_staged
-from torchrec_cloud.config import ConfigError, JobConfig
+from torchrec_cloud.config import JOB_ID, ConfigError, JobConfig
+from torchrec_cloud.untrusted import shown
 
 if TYPE_CHECKING:  # torch loads only where a command needs it: `checkpoint ls` does not
     import torch
@@ -107,9 +116,10 @@ def _one_line(text: str, limit: int = 600) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _agree(env, fn: Callable[[], Any], flag: str) -> Any:
+def _agree(env, fn: Callable[[], Any], flag: str, storage_errors_are_flags: bool = True) -> Any:
     """Run ``fn`` on rank 0 and hand its result, or its error, to every rank, so a bad
-    path fails all ranks at start-up instead of leaving some waiting in a collective."""
+    path fails all ranks at start-up instead of leaving some waiting in a collective (a
+    storage error is one of ``flag``'s at start-up; later it stays a storage error)."""
     from torchrec_cloud import comm
 
     box: list[Any] = [None]
@@ -119,15 +129,38 @@ def _agree(env, fn: Callable[[], Any], flag: str) -> Any:
         except ConfigError as e:
             box[0] = ("config", e.flag, str(e).split(": ", 1)[-1])
         except storage.StorageError as e:
-            box[0] = ("config", flag, _one_line(str(e)))
+            box[0] = ("config", flag, _one_line(str(e))) if storage_errors_are_flags else ("storage", e)
         except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks too
             box[0] = ("error", f"{type(e).__name__}: {e}")
     result = comm.broadcast_object(box[0], src=0)
+    if result[0] == "storage":
+        raise result[1]
     if result[0] == "config":
         raise ConfigError(result[1], result[2])
     if result[0] == "error":
         raise CheckpointError(f"rank 0 could not find the checkpoint to resume: {result[1]}")
     return result[1]
+
+
+_RANDOM_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def named_job_id(flag: Optional[str]) -> Optional[str]:
+    """The job id this run was given: ``--job_id``, else ``$TORCHREC_CLOUD_JOB_ID``, else
+    torchrun's rendezvous id when one was named (``--rdzv_id``; not its default ``none``, nor
+    the random one torchrun makes for a single-node run). None: no name was given."""
+    if flag:
+        return flag
+    from_env = os.environ.get("TORCHREC_CLOUD_JOB_ID", "")
+    if from_env:
+        if not JOB_ID.fullmatch(from_env):
+            raise ConfigError("job_id", f"$TORCHREC_CLOUD_JOB_ID must be 1 to 128 letters, digits or ._:@/+- , "
+                              f"got {shown(from_env)}")  # fmt: skip
+        return from_env
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id != "none" and JOB_ID.fullmatch(run_id) and not _RANDOM_ID.fullmatch(run_id):
+        return run_id
+    return None
 
 
 @dataclasses.dataclass
@@ -164,6 +197,7 @@ class Checkpointer:
         if self.root is not None:
             self._check_writable()
         self.resume_target: Optional[CheckpointInfo] = _agree(env, self._find_resume_target, "checkpoint_path")
+        self.owner: Optional[str] = _agree(env, self._find_owner, "checkpoint_path") if self.root is not None else None
         if self.resume_target is not None:
             self._check_compatible(self.resume_target)
         if self.ck.async_checkpoint and self.root is not None:
@@ -218,6 +252,46 @@ class Checkpointer:
             return newest_complete(self.root, check=metadata_problem)
         return None
 
+    def _find_owner(self) -> str:
+        """The job id this run records in its checkpoints (see --job_id). A named job does not
+        start on a --checkpoint_path that holds another job's checkpoints; an unnamed one
+        continues the job of the checkpoint it resumes (a restart, or the same command again)."""
+        assert self.root is not None
+        named = named_job_id(self.ck.job_id)
+        found = [(i, recorded_owner(i)) for i in list_checkpoints(self.root) if i.complete]
+        if named is None:
+            target = self.resume_target
+            if target is not None and self._is_ours(target) and recorded_owner(target):
+                return recorded_owner(target)  # type: ignore[return-value]
+            owned = [owner for _, owner in found if owner]
+            return owned[-1] if owned else uuid.uuid4().hex[:16]
+        others = [(i, owner) for i, owner in found if owner and owner != named]
+        if others:
+            info, other = others[-1]
+            raise ConfigError(
+                "checkpoint_path",
+                f"{self.root} holds checkpoints of job {shown(other)} ({info.name}); this is job {named}: give each "
+                f"job its own --checkpoint_path (or --job_id {shown(other)} to continue that job)",
+            )
+        return named
+
+    def _claim(self, path: str) -> None:
+        """Rank 0, before a save: clear ``path`` (the leftovers of a save that never committed, or
+        this job's own checkpoint of that step) and mark it as this job's. Another job's
+        checkpoint there, committed or being written, is never deleted: a ConfigError instead."""
+        if storage.exists(path):
+            info = inspect_checkpoint(path)
+            other = recorded_owner(info)
+            if other is not None and other != self.owner:
+                state = "was committed" if info.complete else "is being written"
+                raise ConfigError(
+                    "checkpoint_path",
+                    f"{path} {state} by job {shown(other)}; this job ({self.owner}) does not overwrite or delete "
+                    "another job's checkpoint: give each job its own --checkpoint_path",
+                )
+            storage.remove(path, recursive=True)
+        write_owner(path, self.owner or "")
+
     def _check_compatible(self, info: CheckpointInfo) -> None:
         saved = (info.commit or {}).get("config", {}).get("model")
         current = dataclasses.asdict(self.cfg.model)
@@ -267,12 +341,12 @@ class Checkpointer:
     def _load(self, info: CheckpointInfo, dmp: torch.nn.Module, optimizer: Any, scheduler: Any) -> Position:
         from torch.distributed.checkpoint import CheckpointException, load
 
-        source = reader(info.path, info.commit if self.verifies(info) else None)
+        source = reader(info.path, info.commit, checksums=self.verifies(info))
         metadata = source.read_metadata()
         rng_key = f"rng.rank_{self.env.rank}.torch"
         state = training_state(dmp, optimizer, self.env.rank, with_rng=rng_key in metadata.state_dict_metadata)
         try:
-            load(state, storage_reader=source)
+            load(state, storage_reader=source, planner=load_planner(info.path))
         except CheckpointDamagedError:
             raise
         except (CheckpointException, Exception) as e:
@@ -318,9 +392,7 @@ class Checkpointer:
 
         start = time.perf_counter()
         path = storage.join(self.root, checkpoint_name(position.step))
-        if self.env.is_main and storage.exists(path):
-            storage.remove(path, recursive=True)  # leftovers of a save that never committed
-        comm.barrier()
+        _agree(self.env, lambda: self._claim(path), "checkpoint_path", storage_errors_are_flags=False)
         trainer = {
             "step": position.step,
             "epoch": position.epoch,
@@ -382,7 +454,7 @@ class Checkpointer:
         files = {
             name: storage.size(storage.join(path, name))
             for name in storage.listdir(path)
-            if name != COMMIT_FILE and not name.startswith(".tmp-")
+            if name not in (COMMIT_FILE, OWNER_FILE) and not name.startswith(".tmp-")
         }
         total = sum(files.values())
         commit: dict[str, Any] = {
@@ -397,12 +469,13 @@ class Checkpointer:
             "files": files,
             "trainer": trainer,
             "config": self.cfg.to_dict(),
+            "owner": self.owner,
         }
         written = files_writer.file_checksums()
         if written is not None:
             commit["checksums"] = _checksums(path, files, written)
         storage.write_bytes(storage.join(path, COMMIT_FILE), json.dumps(commit, indent=1).encode())
-        deleted = apply_retention(self.root, self.ck.checkpoint_keep)
+        deleted = apply_retention(self.root, self.ck.checkpoint_keep, self.owner)
         self.sink.log(
             {
                 "event": "checkpoint",

@@ -9,27 +9,30 @@ its bytes are still those that were saved::
     torchrec-cloud checkpoint verify s3://bucket/runs/q          # exit 1 naming a damaged file
 
 ``ls`` and ``inspect`` read only each ``COMMIT.json`` and the files' sizes; with ``--verify``
-they read every byte back against the checksums, as ``verify`` does.
+they read every byte back against the checksums, as ``verify`` does, and exit 1 when one is
+damaged. PATH may be a run folder (its ``--output_dir``) wherever it may be a folder of
+checkpoints, as for ``export`` and ``--resume_from``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
-from pathlib import Path
 from typing import Any, Optional
 
 from torchrec_cloud import storage
 from torchrec_cloud.checkpoint.dcp import read_metadata, verify
 from torchrec_cloud.checkpoint.store import (
     COMMIT_FILE,
+    CheckpointDamagedError,
     CheckpointError,
     CheckpointInfo,
+    checkpoints_of,
     inspect_checkpoint,
     list_checkpoints,
 )
-from torchrec_cloud.metrics.run_folder import METRICS_FILE, last_run
 
 
 def _human(n: Optional[int]) -> str:
@@ -41,19 +44,6 @@ def _human(n: Optional[int]) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return str(n)
-
-
-def checkpoints_of(path: str) -> str:
-    """The folder of checkpoints PATH means: PATH itself when it holds ``step_N`` folders;
-    for a run folder (a ``--output_dir``, with its metrics.jsonl), the ``--checkpoint_path``
-    its run wrote to, or its ``ckpt/`` or ``checkpoints/`` folder; else PATH."""
-    candidates = [path]
-    if storage.scheme(path) is None and Path(path, METRICS_FILE).is_file():
-        start = (last_run(Path(path)) or ({}, None))[0]
-        written = ((start.get("config") or {}).get("checkpoint") or {}).get("checkpoint_path")
-        candidates += [written] if written else []
-        candidates += [storage.join(path, "ckpt"), storage.join(path, "checkpoints")]
-    return next((c for c in candidates if list_checkpoints(c)), path)
 
 
 def _is_checkpoint(path: str) -> bool:
@@ -91,22 +81,24 @@ def _ls(ns: argparse.Namespace) -> int:
     infos = list_checkpoints(ns.path)
     if ns.verify:
         infos = [verify(i.path) if i.complete else i for i in infos]
+    # With --verify, a damaged checkpoint fails the listing, as it fails `verify`; without it
+    # the listing is what it reads (a row whose COMMIT.json is refused says DAMAGED, exit 0).
+    status = 1 if ns.verify and any(i.damaged for i in infos) else 0
     if ns.json:
         print(json.dumps([_info_dict(i) for i in infos]))
-        return 0
+        return status
     if not infos:
         if not storage.exists(ns.path):
-            print(f"torchrec-cloud checkpoint ls: {ns.path} does not exist", file=sys.stderr)
-            return 1
+            raise CheckpointError(f"{ns.path} does not exist")
         print(f"no checkpoints under {ns.path}")
         return 0
     print(f"{'name':<16} {'step':>9} {'ranks':>5} {'size':>10}  {'created':<25} status")
     for i in infos:
-        status = _status(i, ns.verify)
         created = (i.commit or {}).get("created", "-")
         step = "-" if i.step is None else str(i.step)
-        print(f"{i.name:<16} {step:>9} {i.world_size or '-':>5} {_human(i.bytes):>10}  {created:<25} {status}")
-    return 0
+        print(f"{i.name:<16} {step:>9} {i.world_size or '-':>5} {_human(i.bytes):>10}  {created:<25} "
+              f"{_status(i, ns.verify)}")
+    return status
 
 
 def _info_dict(i: CheckpointInfo) -> dict[str, Any]:
@@ -124,21 +116,22 @@ def _info_dict(i: CheckpointInfo) -> dict[str, Any]:
         "epoch": trainer.get("epoch"),
         "batch": trainer.get("batch"),
         "reason": (i.commit or {}).get("reason"),
+        "owner": (i.commit or {}).get("owner"),
     }
 
 
 def _inspect(ns: argparse.Namespace) -> int:
     ns.path = _checkpoint_at(ns.path)
     info = verify(ns.path) if ns.verify else inspect_checkpoint(ns.path)
-    out = _info_dict(info)
-    if not info.complete and info.commit is None and not storage.exists(storage.join(ns.path, ".metadata")):
-        print(f"torchrec-cloud checkpoint inspect: {ns.path}: {info.problem}", file=sys.stderr)
-        return 1
+    if info.commit is None and (info.damaged or not storage.exists(storage.join(ns.path, ".metadata"))):
+        raise CheckpointError(f"{ns.path}: {info.problem}")
     tensors: list[dict[str, Any]] = []
     try:
         metadata = read_metadata(ns.path, info.commit)
+    except CheckpointDamagedError as e:  # not DCP's index of these files: nothing of it is shown
+        info = info if info.damaged else info.as_damaged(f"{e.file}: {e.detail}")
     except CheckpointError as e:
-        out["problem"] = out["problem"] or str(e)
+        info = dataclasses.replace(info, problem=info.problem or str(e))
     else:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -148,11 +141,12 @@ def _inspect(ns: argparse.Namespace) -> int:
                     {"key": key, "shape": list(md.size), "dtype": str(md.properties.dtype).replace("torch.", ""),
                      "shards": len(md.chunks)}
                 )
+    out = _info_dict(info)
     out["tensors"] = tensors
     if ns.json:
         print(json.dumps(out))
         return 0 if info.complete else 1
-    for key in ("path", "step", "epoch", "batch", "world_size", "created", "reason"):
+    for key in ("path", "step", "epoch", "batch", "world_size", "owner", "created", "reason"):
         print(f"{key:<11} {out[key]}")
     print(f"{'size':<11} {_human(info.bytes)}" + (f" ({info.bytes} bytes)" if info.bytes is not None else ""))
     print(f"{'status':<11} " + _status(info, ns.verify))
@@ -164,6 +158,8 @@ def _inspect(ns: argparse.Namespace) -> int:
         if ns.verbose:
             for t in tensors:
                 print(f"  {t['key']}  {t['dtype']}{t['shape']}  shards={t['shards']}")
+    if info.damaged:
+        print(f"torchrec-cloud checkpoint inspect: error: {ns.path}: {_status(info)}", file=sys.stderr)
     return 0 if info.complete else 1
 
 
@@ -171,7 +167,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "checkpoint",
         help="list and inspect checkpoints (a run folder, a local folder or s3://, gs://, az:// URL)",
-        description="List the checkpoints under a --checkpoint_path, or inspect one.",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="action", metavar="ACTION", parser_class=type(parser))
     sub.required = True
@@ -192,20 +189,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Read every byte of a checkpoint, or of each checkpoint under a folder, and compare it "
         "with the checksums recorded when it was saved. Exit 1 naming each damaged or incomplete one.",
     )
-    ver.add_argument("path", metavar="PATH", help="a step_N checkpoint, or a folder of them")
+    ver.add_argument("path", metavar="PATH", help="a step_N checkpoint, a folder of them, or a run folder")
     ver.set_defaults(func=_verify)
     return parser
 
 
-_VERIFY_HELP = "read every byte back against the checksums saved with it (slow); a damaged one says DAMAGED"
+_VERIFY_HELP = "read every byte back against the checksums saved with it (slow); a damaged one says DAMAGED (exit 1)"
 
 
 def _verify(ns: argparse.Namespace) -> int:
-    infos = [inspect_checkpoint(ns.path)] if _is_checkpoint(ns.path) else list_checkpoints(ns.path)
+    infos = [inspect_checkpoint(ns.path)] if _is_checkpoint(ns.path) else list_checkpoints(checkpoints_of(ns.path))
     if not infos:
         what = "does not exist" if not storage.exists(ns.path) else "holds no checkpoint"
-        print(f"torchrec-cloud checkpoint verify: error: {ns.path} {what}", file=sys.stderr)
-        return 1
+        raise CheckpointError(f"{ns.path} {what}")
     bad = 0
     for info in infos:
         checked = verify(info.path) if info.complete else info

@@ -104,18 +104,64 @@ def writer(path: str, checksums: bool = True):
     return _bind(_writer_class()(path, sync_files=not storage.is_url(path)), path, checksums, None)
 
 
-def reader(path: str, commit: Optional[dict[str, Any]] = None):
-    """DCP's file-system reader for ``path`` (as :func:`writer`). Given the checkpoint's
-    ``COMMIT.json`` with checksums, every block read is checked against them, and a difference
-    raises :class:`CheckpointDamagedError` naming the file (no byte is read twice for it)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    recorded = (commit or {}).get("checksums")
+def reader(path: str, commit: Optional[dict[str, Any]] = None, checksums: bool = True):
+    """DCP's file-system reader for ``path`` (as :func:`writer`), which reads ``.metadata`` as
+    untrusted input (:mod:`.safe_load`: checked against the files ``commit`` lists, or the
+    folder holds). Given the checkpoint's ``COMMIT.json`` with checksums (and ``checksums``),
+    every block read is checked against them, and a difference raises
+    :class:`CheckpointDamagedError` naming the file (no byte is read twice for it)."""
+    recorded = (commit or {}).get("checksums") if checksums else None
     expected = None
     if recorded is not None:
         sizes = commit["files"]  # type: ignore[index]
         expected = {name: (sizes[name], blocks) for name, blocks in recorded["files"].items() if name in sizes}
-    return _bind(FileSystemReader(path), path, False, expected, recorded and int(recorded["block_bytes"]))
+    handle = _reader_class()(path)
+    handle.commit = commit
+    return _bind(handle, path, False, expected, recorded and int(recorded["block_bytes"]))
+
+
+_READER: Optional[type] = None
+
+
+def _reader_class() -> type:
+    """DCP's FileSystemReader whose ``read_metadata`` unpickles ``.metadata`` with
+    :class:`~.safe_load.MetadataUnpickler` and checks it (once per reader) instead of
+    ``pickle.load``. No ``rank`` keyword: DCP then does not fall back to per-rank metadata,
+    which torchrec-cloud never writes."""
+    global _READER
+    if _READER is not None:
+        return _READER
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    from torchrec_cloud.checkpoint import safe_load
+
+    class UntrustingReader(FileSystemReader):
+        commit: Optional[dict[str, Any]] = None
+        _metadata: Any = None
+
+        def read_metadata(self, *args: Any) -> Any:
+            if self._metadata is None:
+                root = str(self.path)
+                with self.fs.create_stream(self.fs.concat_path(self.path, safe_load.METADATA_FILE), "rb") as f:
+                    data = f.read(safe_load.METADATA_MAX_BYTES + 1)
+                self._metadata = safe_load.load_metadata(data, root, safe_load.file_sizes(root, self.commit))
+            if getattr(self._metadata, "storage_meta", None) is None:
+                self._metadata.storage_meta = StorageMeta()
+            self._metadata.storage_meta.load_id = self.load_id
+            return self._metadata
+
+    _READER = UntrustingReader
+    return _READER
+
+
+def load_planner(path: str, whole: bool = False):
+    """DCP's load planner (``whole``: the one that rebuilds a whole state dict from the
+    checkpoint's own index) with every non-tensor entry loaded by
+    :func:`~.safe_load.load_object` (``torch.load(weights_only=True)``)."""
+    from torchrec_cloud.checkpoint import safe_load
+
+    return compat.data_only_load_planner(lambda value, fqn: safe_load.load_object(value, path, fqn), whole)
 
 
 def _bind(handle, path: str, hash_writes: bool, expected, block_bytes: Optional[int] = None):
@@ -339,20 +385,26 @@ class _VerifiedReader(io.RawIOBase):
 
 
 def read_metadata(path: str, commit: Optional[dict[str, Any]] = None):
-    """DCP's index of a checkpoint: every saved key with its size, dtype and shards (checked
-    against the checkpoint's checksums when ``commit`` has them)."""
+    """DCP's index of a checkpoint: every saved key with its size, dtype and shards, checked
+    against the checkpoint's files (and its checksums when ``commit`` has them). A damaged or
+    crafted one raises :class:`CheckpointDamagedError` naming ``.metadata``."""
+    return _index(reader(path, commit), path)
+
+
+def _index(source: Any, path: str) -> Any:
     try:
-        return reader(path, commit).read_metadata()
+        return source.read_metadata()
     except (storage.StorageError, CheckpointDamagedError):
         raise
-    except Exception as e:  # noqa: BLE001 - a missing or damaged .metadata, any backend
+    except Exception as e:  # noqa: BLE001 - a missing .metadata, any backend
         raise CheckpointError(f"{path}: cannot read DCP metadata ({type(e).__name__}: {e})") from e
 
 
 def metadata_problem(info: CheckpointInfo) -> str:
     """Why ``info``'s ``.metadata`` (DCP's index, which every rank reads first) cannot be used,
-    or "": its bytes differ from their checksum, or it does not unpickle (a checkpoint saved
-    without checksums). A storage error is raised, not reported: it says nothing of the bytes."""
+    or "": its bytes differ from their checksum, it is not DCP's index of these files (damaged,
+    or crafted), or it cannot be read. A storage error is raised, not reported: it says nothing
+    of the bytes."""
     try:
         read_metadata(info.path, info.commit)
     except CheckpointDamagedError as e:
@@ -363,10 +415,11 @@ def metadata_problem(info: CheckpointInfo) -> str:
 
 
 def verify(path: str) -> CheckpointInfo:
-    """:func:`~torchrec_cloud.checkpoint.store.verify_checkpoint`, and for a checkpoint saved
-    without checksums, whether its ``.metadata`` can be read (the one check left)."""
+    """:func:`~torchrec_cloud.checkpoint.store.verify_checkpoint`, then whether its
+    ``.metadata`` is DCP's index of its files (all a checkpoint saved without checksums can be
+    checked for; one with checksums could still have been written whole by another hand)."""
     info = verify_checkpoint(path)
-    if info.complete and info.checksums is None:
+    if info.complete:
         problem = metadata_problem(info)
         if problem:
             return info.as_damaged(problem)
@@ -375,12 +428,15 @@ def verify(path: str) -> CheckpointInfo:
 
 def load_full_state(path: str) -> dict[str, Any]:
     """The whole checkpoint as plain, unsharded tensors in this one process (no process
-    group): for inspection, tests and export. Keys are DCP's flattened FQNs."""
+    group): for inspection, tests and export. Keys are DCP's flattened FQNs. What it
+    allocates is bounded by the checkpoint's files (its ``.metadata`` is checked first)."""
     from torch.distributed.checkpoint import CheckpointException
 
     info = inspect_checkpoint(path)
+    source = reader(path, info.commit)
+    _index(source, path)  # its own error first: DCP would log a traceback and look for per-rank indexes
     try:
-        return compat.load_whole(reader(path, info.commit))
+        return compat.load_whole(source, load_planner(path, whole=True))
     except CheckpointException as e:
         raise load_error(path, e) from e
 

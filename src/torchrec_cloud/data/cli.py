@@ -21,7 +21,7 @@ import os
 import sys
 from typing import Any, Optional
 
-from torchrec_cloud import storage
+from torchrec_cloud import counted, storage
 from torchrec_cloud.config import ConfigError
 from torchrec_cloud.data.criteo_format import CAT_FEATURES
 from torchrec_cloud.progress import Progress
@@ -149,11 +149,12 @@ def _preprocess_criteo(ns: argparse.Namespace) -> int:
     result = preprocess(opts, workers=ns.workers, progress=not ns.no_progress)
     m = result.manifest
     if result.already_complete:
-        print(f"{ns.output} is already complete ({m['rows']} rows in {len(m['shards'])} shards); nothing to do")
+        print(f"{ns.output} is already complete ({counted(m['rows'], 'row')} in {counted(len(m['shards']), 'shard')}); "
+              "nothing to do")
         return 0
     rate = m["rows"] / result.seconds if result.seconds > 0 else float("nan")
     print(
-        f"wrote {m['rows']} rows in {len(m['shards'])} shards to {ns.output} "
+        f"wrote {counted(m['rows'], 'row')} in {counted(len(m['shards']), 'shard')} to {ns.output} "
         f"({result.seconds:.1f}s, {rate:,.0f} rows/s; train {sum(e - s for _, s, e in m['splits']['train'])}, "
         f"val {sum(e - s for _, s, e in m['splits']['val'])}, test {sum(e - s for _, s, e in m['splits']['test'])})"
     )
@@ -174,7 +175,7 @@ def cmd_schema(ns: argparse.Namespace) -> int:
     from torchrec_cloud.data.infer import propose
     from torchrec_cloud.data.schema import parse_schema
     from torchrec_cloud.data.tabular import expand
-    from torchrec_cloud.trust import parse_yaml
+    from torchrec_cloud.untrusted import parse_yaml
 
     if ns.rows <= 0:
         raise ConfigError("rows", f"must be > 0, got {ns.rows}")
@@ -194,29 +195,29 @@ def cmd_schema(ns: argparse.Namespace) -> int:
 
 
 def cmd_verify(ns: argparse.Namespace) -> int:
-    from torchrec_cloud.data.criteo_format import load_manifest, verify_files, verify_shards
-    from torchrec_cloud.data.dataset import is_schema_dataset, load_dataset
-    from torchrec_cloud.data.dataset import read_manifest
-    from torchrec_cloud.trust import TrustError
+    from torchrec_cloud.data.criteo_format import load_manifest, verify_shards
+    from torchrec_cloud.data.dataset import is_schema_dataset, load_dataset, read_manifest, verify_files
+    from torchrec_cloud.errors import CommandError
 
     try:
         raw = read_manifest(ns.path)
         if is_schema_dataset(raw):
             ds = load_dataset(ns.path, raw, check_files=False)
-            report = verify_files(ns.path, [(s.path, s.bytes) for s in ds.shards], [s.digest for s in ds.shards])
+            report = verify_files(ns.path, ds.shards)
         else:
             report = verify_shards(ns.path, load_manifest(ns.path))
     except ConfigError as e:  # no manifest, or not ours: what --dataset_path would say, without the flag
-        raise TrustError(ns.path, "", str(e).removeprefix(f"--{e.flag}: ").removeprefix(f"{ns.path}: ")) from None
+        raise CommandError(str(e).removeprefix(f"--{e.flag}: ")) from None
     for problem in report["problems"]:
         print(f"torchrec-cloud data verify: error: {problem}", file=sys.stderr)
     if report["problems"]:
-        print(f"{len(report['problems'])} of {report['shards']} shards under {ns.path} are damaged or missing; "
+        print(f"{len(report['problems'])} of {counted(report['shards'], 'shard')} under {ns.path} are damaged or missing; "
               "preprocess again, or copy them again", file=sys.stderr)  # fmt: skip
         return 1
     unchecked = report["shards"] - report["checked"]
     note = f"; {unchecked} have no checksum in the manifest (sizes checked only)" if unchecked else ""
-    print(f"ok: {report['shards']} shards, {report['bytes']:,} bytes under {ns.path} match their manifest{note}")
+    print(f"ok: {counted(report['shards'], 'shard')}, {report['bytes']:,} bytes under {ns.path} match their "
+          f"manifest{note}")
     return 0
 
 

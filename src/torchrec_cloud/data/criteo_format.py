@@ -14,14 +14,14 @@ int64 when no sizes were given::
 
 from __future__ import annotations
 
-import json
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from torchrec_cloud import checksum, storage
 from torchrec_cloud.config import ConfigError
+from torchrec_cloud.data.dataset import MAX_MANIFEST_BYTES, MAX_SHARDS, Shard, check_layout, check_sizes, verify_files
+from torchrec_cloud.untrusted import MAX_INT, MAX_ROWS, Fields, UntrustedInputError, read_json, shown
 
 INT_FEATURES = 13
 CAT_FEATURES = 26
@@ -53,10 +53,11 @@ def record_dtype(sparse_dtype: str) -> np.dtype:
 
 
 def load_manifest(path: str) -> dict:
-    """The manifest of a preprocessed dataset, or a :class:`ConfigError` saying what to do."""
+    """The manifest of a preprocessed dataset, checked (:func:`check_manifest`), or a
+    :class:`ConfigError` saying what to do."""
     url = storage.join(path, MANIFEST)
     try:
-        manifest = json.loads(storage.read_bytes(url))
+        manifest = read_json(url, MAX_MANIFEST_BYTES)
     except storage.StorageNotFoundError as e:
         hint = (
             " (an interrupted preprocessing run: run the same command again to finish it)"
@@ -67,15 +68,47 @@ def load_manifest(path: str) -> dict:
         raise ConfigError("dataset_path", f"{url} not found{hint}") from e
     except storage.StorageError as e:
         raise ConfigError("dataset_path", str(e)) from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError("dataset_path", f"{url} is not valid JSON ({e})") from e
+    except UntrustedInputError as e:
+        raise ConfigError("dataset_path", str(e)) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME or manifest.get("version") != FORMAT_VERSION:
         found = manifest if isinstance(manifest, dict) else {}
         raise ConfigError(
             "dataset_path",
             f"{url} is not a {FORMAT_NAME} v{FORMAT_VERSION} manifest "
-            f"(format {found.get('format')!r}, version {found.get('version')!r})",
+            f"(format {shown(found.get('format'))}, version {shown(found.get('version'))})",
         )
+    try:
+        return check_manifest(manifest, path)
+    except UntrustedInputError as e:
+        raise ConfigError("dataset_path", str(e)) from None
+
+
+def check_manifest(manifest: Any, path: str) -> dict:
+    """``manifest`` (of the dataset at ``path``) if every field the reader uses has the type and
+    range the format allows: the record, the table sizes, the sources, and the shards and
+    splits as for every dataset (:func:`~torchrec_cloud.data.dataset.check_layout`: shard paths
+    inside the dataset's folder, sizes that agree with the rows, split segments within their
+    shard's rows), else an :class:`~torchrec_cloud.untrusted.UntrustedInputError` naming the
+    field. The shards' real sizes are checked against these rows when the dataset is opened
+    (:func:`check_shards`)."""
+    url = storage.join(path, MANIFEST)
+    doc = Fields(manifest, url)
+    record = doc.obj("record")
+    record.text("byte_order", choices=("little",))
+    fields = record.list("fields", 3)
+    if len(fields) != 3:
+        raise UntrustedInputError(url, "record.fields", f"must list label, dense and sparse, got {len(fields)} fields")
+    sparse_dtype = record.at("fields[2]", fields[2]).text("dtype", choices=("int32", "int64"))
+    row_bytes = record_dtype(sparse_dtype).itemsize
+    record.int("bytes_per_row", lo=row_bytes, hi=row_bytes)
+    sizes = doc.ints("num_embeddings_per_feature", CAT_FEATURES, lo=1, hi=MAX_INT, optional=True)
+    if sizes is not None and len(sizes) != CAT_FEATURES:
+        raise UntrustedInputError(url, "num_embeddings_per_feature", f"needs {CAT_FEATURES} values, got {len(sizes)}")
+    for i, source in enumerate(doc.list("sources", MAX_SHARDS)):
+        entry = doc.at(f"sources[{i}]", source)
+        entry.int("rows", hi=MAX_ROWS)
+        entry.int("dense_min", lo=-(2**31), hi=2**31 - 1)
+    check_layout(doc, path, row_bytes, sizes_optional=True)  # manifests written before sizes were recorded lack them
     return manifest
 
 
@@ -86,70 +119,24 @@ def _exists(path: str) -> bool:
         return False
 
 
-def _shard_sizes(path: str, entries: list[tuple[str, int]]) -> list[tuple[str, int, Optional[int]]]:
-    """``(url, expected size, actual size or None if missing)`` of every shard named in
-    ``entries`` (``(path in the folder, size)``), from one listing per folder of shards."""
-    listed: dict[str, dict[str, int]] = {}
-    out = []
-    for rel, expected in entries:
-        folder, _, name = rel.rpartition("/")
-        if folder not in listed:
-            try:
-                listed[folder] = storage.list_sizes(storage.join(path, *folder.split("/")) if folder else path)
-            except storage.StorageNotFoundError:
-                listed[folder] = {}
-        out.append((storage.join(path, *rel.split("/")), expected, listed[folder].get(name)))
-    return out
-
-
-def _entries(manifest: dict) -> list[tuple[str, int]]:
+def shards_of(path: str, manifest: dict) -> list[Shard]:
+    """The shards of a checked manifest (:func:`load_manifest`), as every dataset's are described."""
     row_bytes = int(manifest["record"]["bytes_per_row"])
-    return [(shard["path"], int(shard["rows"]) * row_bytes) for shard in manifest["shards"]]
+    return [Shard(storage.join(path, *s["path"].split("/")), s["path"], s["rows"], s.get("bytes", s["rows"] * row_bytes),
+                  [], s["source"], s.get(checksum.ALGORITHM)) for s in manifest["shards"]]  # fmt: skip
 
 
 def check_shards(path: str, manifest: dict) -> None:
     """Raise a :class:`ConfigError` naming the first shard of ``manifest`` that is missing
-    under ``path`` or whose size is not its rows times the record size (a copy cut short)."""
-    for url, expected, actual in _shard_sizes(path, _entries(manifest)):
-        if actual is None:
-            raise ConfigError("dataset_path", f"{url} is missing (the manifest lists {len(manifest['shards'])} "
-                              "shards); copy the whole folder again, or preprocess again")  # fmt: skip
-        if actual != expected:
-            raise ConfigError("dataset_path", f"{url} has {actual} bytes, the manifest says {expected} "
-                              "(truncated or altered); copy it again, or preprocess again")  # fmt: skip
+    under ``path``, is not a regular file inside it, or whose size is not its rows times the
+    record size (a copy cut short)."""
+    try:
+        check_sizes(path, shards_of(path, manifest))
+    except UntrustedInputError as e:
+        raise ConfigError("dataset_path", str(e)) from None
 
 
 def verify_shards(path: str, manifest: dict, threads: int = 8) -> dict[str, Any]:
     """Every shard's size and, where the manifest records one, checksum (reads every byte;
-    shards in parallel). Returns ``{"shards", "bytes", "checked", "problems": [...]}``; a
-    problem names the shard."""
-    return verify_files(path, _entries(manifest), [s.get(checksum.ALGORITHM) for s in manifest["shards"]], threads)
-
-
-def verify_files(path: str, entries: list[tuple[str, int]], digests: list[Optional[str]], threads: int = 8) -> dict[str, Any]:
-    """:func:`verify_shards` of files named by ``(path in the folder, size)`` with their
-    checksums (None: size only); any dataset's shards."""
-    sized = _shard_sizes(path, entries)
-    problems = []
-    for url, expected, actual in sized:
-        if actual is None:
-            problems.append(f"{url}: missing")
-        elif actual != expected:
-            problems.append(f"{url}: {actual} bytes, the manifest says {expected} (truncated or altered)")
-
-    def check(item: tuple[tuple[str, int, Optional[int]], str]) -> Optional[str]:
-        (url, _, _), expected_digest = item
-        _, actual = checksum.file_digest(url)
-        if actual != expected_digest:
-            return f"{url}: its bytes differ from when it was written ({checksum.ALGORITHM} checksum mismatch)"
-        return None
-
-    todo = [(s, d) for s, d in zip(sized, digests) if d is not None and s[2] is not None and s[1] == s[2]]
-    with ThreadPoolExecutor(max(1, min(threads, len(todo)))) as pool:
-        problems += [p for p in pool.map(check, todo) if p]
-    return {
-        "shards": len(sized),
-        "bytes": sum(s[1] for s in sized),
-        "checked": len(todo),
-        "problems": problems,
-    }
+    shards in parallel): :func:`~torchrec_cloud.data.dataset.verify_files`."""
+    return verify_files(path, shards_of(path, manifest), threads)

@@ -51,10 +51,23 @@ from torchrec_cloud.data.criteo_format import (
     PLAN,
     SHARD_DIR,
     SPARSE_NAMES,
+    check_manifest,
     record_dtype,
     sparse_dtype_for,
 )
 from torchrec_cloud.data.criteo_parse import BadLineError, PreprocessError, parse_block
+from torchrec_cloud.untrusted import (
+    MAX_FILE_BYTES,
+    MAX_LINE_BYTES,
+    MAX_ROWS,
+    Fields,
+    UntrustedInputError,
+    integer,
+    read_json,
+    read_line,
+    shown,
+    text,
+)
 
 # Kaggle's train.txt is 7 days of logs; as in the references the last 1/7 is held out and
 # split in half (validation, then test).
@@ -84,14 +97,14 @@ def _range_blocks(path: str, start: int, end: int) -> Iterator[bytes]:
         pos = start
         if start > 0:
             f.seek(start - 1)
-            skipped = f.readline()
+            skipped = _read_line(f, path)
             pos = start - 1 + len(skipped)
         while pos < end:
             block = f.read(min(_READ_BLOCK, max(end - pos, 1)))
             if not block:
                 return
             if not block.endswith(b"\n"):
-                block += f.readline()
+                block += _read_line(f, path)
             if not block.endswith(b"\n"):
                 block += b"\n"  # last line of a file without a final newline
             if pos + len(block) > end:
@@ -125,12 +138,27 @@ def _gzip_lines(path: str) -> Iterator[bytes]:
                 data = carry + chunk
                 cut = data.rfind(b"\n")
                 if cut < 0:
+                    if len(data) > MAX_LINE_BYTES:  # a file without newlines, or a gzip bomb of one line
+                        raise PreprocessError(_long_line(path))
                     carry = data
                     continue
                 carry = data[cut + 1 :]
                 yield data[: cut + 1]
     finally:
         raw.close()
+
+
+def _long_line(path: str) -> str:
+    return f"{path}: a line is longer than {MAX_LINE_BYTES} bytes (no newline): not a Criteo TSV file"
+
+
+def _read_line(f: Any, path: str) -> bytes:
+    """The rest of a line, at most :data:`MAX_LINE_BYTES` of it (a file without newlines would
+    otherwise be read whole into memory)."""
+    try:
+        return read_line(f, MAX_LINE_BYTES, path)
+    except UntrustedInputError:
+        raise PreprocessError(_long_line(path)) from None
 
 
 def line_blocks(path: str) -> Iterator[bytes]:
@@ -282,26 +310,55 @@ def _marker_path(opts: Options, source: int, shard: int) -> str:
     return storage.join(opts.output, SHARD_DIR, _shard_name(opts, source, shard) + ".done")
 
 
-def _load_marker(path: str) -> Optional[dict]:
+def _load_marker(opts: Options, source: int, shard: int) -> Optional[dict]:
+    """The ``.done`` marker of a committed shard, checked to be that shard's (its name, source
+    and index) with counts in range: a marker from elsewhere never names another file."""
+    path = _marker_path(opts, source, shard)
     try:
-        return _read_json(path)
+        marker = _read_json(path)
     except storage.StorageNotFoundError:
         return None
+    try:
+        doc = Fields(marker, path)
+        doc.text("shard", choices=(_shard_name(opts, source, shard),))
+        doc.int("source", lo=source, hi=source)
+        doc.int("index", lo=shard, hi=shard)
+        rows = doc.int("rows", hi=MAX_ROWS)
+        row_bytes = record_dtype(opts.sparse_dtype).itemsize
+        doc.int("bytes", lo=rows * row_bytes, hi=rows * row_bytes, optional=True)
+        doc.text(checksum.ALGORITHM, max_len=64, optional=True)
+        for key in ("lines", "skipped"):
+            doc.int(key, hi=MAX_ROWS)
+        for key in ("first_line", "start"):
+            doc.int(key, hi=MAX_FILE_BYTES, optional=True)
+        doc.int("dense_min", lo=-(2**31), hi=2**31 - 1, optional=True)
+        for i, example in enumerate(doc.list("skipped_examples", 5)):
+            if not isinstance(example, list) or len(example) != 2:
+                raise UntrustedInputError(path, f"skipped_examples[{i}]", f"must be [line, reason], got {shown(example)}")
+            integer(example[0], path, f"skipped_examples[{i}]", hi=MAX_ROWS)
+            text(example[1], path, f"skipped_examples[{i}]", max_len=1000)
+    except UntrustedInputError as e:
+        raise PreprocessError(f"{e}; delete it, or use another --output") from None
+    return marker
+
+
+PLAN_MAX_BYTES = 16 << 20
 
 
 def _read_json(path: str) -> Any:
-    """A record this command wrote (plan, marker, manifest); damaged bytes are a one-line error."""
-    data = storage.read_bytes(path)
+    """A record this command wrote (plan, marker, manifest), read as input (a bucket may hold
+    anything): damaged or oversized bytes are a one-line error."""
     try:
-        return json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PreprocessError(f"{path} is damaged (not valid JSON: {e}); delete it, or use another --output") from e
+        return read_json(path, PLAN_MAX_BYTES)
+    except UntrustedInputError as e:
+        raise PreprocessError(f"{path} is damaged ({e.problem.removeprefix('is ')}); delete it, or use another "
+                              "--output") from None  # fmt: skip
 
 
 def run_task(opts: Options, task: Task) -> list[dict]:
     """Convert one task's lines to shards (skipping shards already committed)."""
     if task.kind == "range":
-        marker = _load_marker(_marker_path(opts, task.source, task.shard))
+        marker = _load_marker(opts, task.source, task.shard)
         if marker is not None:
             return [marker]
         conv = _Converter(opts, task.path, None)
@@ -321,7 +378,7 @@ def run_task(opts: Options, task: Task) -> list[dict]:
     markers: list[dict] = []
     shard = 0
     line = 0
-    marker = _load_marker(_marker_path(opts, task.source, shard))
+    marker = _load_marker(opts, task.source, shard)
     conv = None if marker is not None else _Converter(opts, task.path, 0)
     saw_data = False
     for block in _gzip_lines(task.path):
@@ -339,7 +396,7 @@ def run_task(opts: Options, task: Task) -> list[dict]:
                     marker = conv.finish(task, shard, shard * per, _report)
                 markers.append(marker)
                 shard += 1
-                marker = _load_marker(_marker_path(opts, task.source, shard))
+                marker = _load_marker(opts, task.source, shard)
                 conv = None if marker is not None else _Converter(opts, task.path, shard * per)
     if not saw_data:
         raise PreprocessError(f"{task.path}: the file is empty (no lines after decompression)")
@@ -356,7 +413,7 @@ def _range_start(task: Task) -> int:
         return 0
     with storage.open(task.path, "rb") as f:
         f.seek(task.start - 1)
-        return task.start - 1 + len(f.readline())
+        return task.start - 1 + len(_read_line(f, task.path))
 
 
 def _worker(args: tuple[Options, Task]) -> list[dict]:
@@ -510,14 +567,20 @@ def preprocess(opts: Options, workers: int = 0, progress: bool = True) -> Result
     plan = opts.plan()
     if storage.exists(plan_path):
         old = _read_json(plan_path)
+        if not isinstance(old, dict):
+            raise PreprocessError(f"{plan_path} is not a JSON object; delete it, or use another --output")
         if old != plan:
-            changed = sorted(k for k in set(old) | set(plan) if old.get(k) != plan.get(k))
+            changed = sorted(str(k) for k in set(old) | set(plan) if old.get(k) != plan.get(k))
             raise PreprocessError(
                 f"{opts.output} holds a preprocessing run with different settings "
-                f"({', '.join(changed)}); use another --output or delete that one"
+                f"({shown(', '.join(changed), 200)}); use another --output or delete that one"
             )
-        if storage.exists(storage.join(opts.output, MANIFEST)):
-            manifest = _read_json(storage.join(opts.output, MANIFEST))
+        manifest_path = storage.join(opts.output, MANIFEST)
+        if storage.exists(manifest_path):
+            try:
+                manifest = check_manifest(_read_json(manifest_path), opts.output)
+            except UntrustedInputError as e:
+                raise PreprocessError(f"{e}; delete it, or use another --output") from None
             return Result(manifest, time.perf_counter() - t0, len(manifest["shards"]), True)
     else:
         storage.write_bytes(plan_path, json.dumps(plan, indent=1).encode())

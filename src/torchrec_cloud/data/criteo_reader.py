@@ -56,7 +56,10 @@ class CriteoSource(ShardSource):
         multi_hot_pooling: str = "fixed",
         window_rows: int = WINDOW_ROWS,
         io_threads: int = IO_THREADS,
+        splits: Sequence[str] = ("train", "val", "test"),
     ) -> None:
+        """``splits``: the splits that must have rows (``predict`` needs only the one it scores;
+        with ``train`` among them, at least one batch per rank)."""
         self.path = path
         self.manifest = manifest = load_manifest(path)
         self.dense_transform = dense_transform
@@ -91,7 +94,8 @@ class CriteoSource(ShardSource):
             [source_min[s["source"]] - 2 for s in manifest["shards"]], dtype=np.int64
         )
         self._init_splits(path, manifest["splits"], batch_size=batch_size, rank=rank, world_size=world_size,
-                          shuffle=shuffle, seed=seed, window_rows=window_rows, io_threads=io_threads)  # fmt: skip
+                          shuffle=shuffle, seed=seed, window_rows=window_rows, io_threads=io_threads,
+                          required=splits)  # fmt: skip
 
     uses_shift = True  # the torchrec dense transform's shift, per source file
 
@@ -168,8 +172,11 @@ class CriteoSource(ShardSource):
         )
 
 
-def build_criteo_source(cfg: JobConfig, rank: int, world_size: int) -> CriteoSource:
-    """The data source for ``--dataset_path`` (called by the training loop on every rank)."""
+def build_criteo_source(
+    cfg: JobConfig, rank: int, world_size: int, splits: Sequence[str] = ("train", "val", "test")
+) -> CriteoSource:
+    """The data source for ``--dataset_path`` (called by the training loop on every rank;
+    ``splits``: those that must have rows, see :class:`CriteoSource`)."""
     if cfg.model.num_dense_features != INT_FEATURES or cfg.model.num_sparse_features != CAT_FEATURES:
         raise ConfigError(
             "dataset_path",
@@ -191,6 +198,7 @@ def build_criteo_source(cfg: JobConfig, rank: int, world_size: int) -> CriteoSou
         dense_transform=cfg.data.dense_transform,
         multi_hot_sizes=cfg.data.multi_hot_sizes,
         multi_hot_pooling=cfg.data.multi_hot_pooling,
+        splits=splits,
     )
 
 

@@ -16,7 +16,10 @@ test; ``splits`` counts them). docs/data.md shows a manifest.
 
 Everything a manifest says is checked before it is used (types, ranges, names relative to
 the folder, sizes that add up, each shard's file size as listed), with one line naming the
-file and field (:mod:`torchrec_cloud.trust`).
+file and field (:mod:`torchrec_cloud.untrusted`). The checks of shards and splits
+(:func:`check_layout`), of the shards' files (:func:`check_sizes`, :func:`verify_files`) are
+Criteo's too (:mod:`~torchrec_cloud.data.criteo_format`): its records are a layout without
+list features.
 """
 
 from __future__ import annotations
@@ -27,10 +30,21 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from torchrec_cloud import checksum, storage, trust
+from torchrec_cloud import checksum, storage
 from torchrec_cloud.config import ConfigError, JobConfig
 from torchrec_cloud.data.schema import Schema, parse_schema
-from torchrec_cloud.trust import TrustError
+from torchrec_cloud.untrusted import (
+    MAX_FILE_BYTES,
+    MAX_ROWS,
+    Fields,
+    UntrustedInputError,
+    integer,
+    local_member,
+    parse_json,
+    read_capped,
+    read_json,
+    shown,
+)
 
 FORMAT_NAME = "torchrec-cloud-shards"
 FORMAT_VERSION = 1
@@ -113,6 +127,13 @@ def shard_bytes(rows: int, values: Sequence[int], row_bytes: int, value_bytes: i
     return rows * row_bytes + sum((rows + 1) * OFFSET_BYTES + n * value_bytes for n in values)
 
 
+MAX_MANIFEST_BYTES = 64 << 20
+"""Largest manifest (or schema, or model config section) read whole; a Criteo 1TB manifest is about 2 MB."""
+MAX_SHARDS = 1 << 20
+MAX_VOCAB_BYTES = 2 << 30
+"""One vocabulary file (its size is also recorded in the manifest and read no further)."""
+
+
 @dataclass
 class Shard:
     url: str
@@ -122,6 +143,125 @@ class Shard:
     values: list[int]
     source: int
     digest: Optional[str]
+
+
+def check_shard(entry: Fields, folder: str, row_bytes: int, num_lists: int = 0, value_bytes: int = 0,
+                sources: int = MAX_SHARDS, sizes_optional: bool = False) -> Shard:  # fmt: skip
+    """One shard's entry of a manifest (Criteo's or a schema's) or of a preprocessing run's
+    record, checked: its path a name inside ``folder`` (at most one sub-folder), its rows in
+    range, its ``bytes`` what those rows (and, per list feature, ``values`` ids) take, its
+    source one of ``sources``. ``sizes_optional``: Criteo manifests written before sizes were
+    recorded lack ``bytes``, which then follows from the rows."""
+    path = entry.name("path", parts=2)
+    source = entry.int("source", hi=sources - 1)
+    rows = entry.int("rows", hi=MAX_ROWS)
+    values = entry.ints("values", num_lists, hi=MAX_ROWS, optional=num_lists == 0) or []
+    if len(values) != num_lists:
+        raise UntrustedInputError(entry.file, entry.field("values"),
+                                  f"has {len(values)} counts, the schema has {num_lists} list features")  # fmt: skip
+    expected = shard_bytes(rows, values, row_bytes, value_bytes)
+    size = entry.int("bytes", hi=MAX_FILE_BYTES, optional=sizes_optional)
+    if size is None:
+        size = expected
+    elif size != expected:
+        ids = f" and {sum(values)} list ids" if num_lists else ""
+        raise UntrustedInputError(entry.file, entry.field("bytes"), f"is {size}, but {rows} rows{ids} take {expected}")
+    digest = entry.text(checksum.ALGORITHM, max_len=64, optional=True)
+    return Shard(storage.join(folder, *path.split("/")), path, rows, size, values, source, digest)
+
+
+def check_layout(doc: Fields, folder: str, row_bytes: int, num_lists: int = 0, value_bytes: int = 0,
+                 sizes_optional: bool = False) -> tuple[list[Shard], dict[str, list[list[int]]]]:  # fmt: skip
+    """The ``shards`` and ``splits`` of a dataset's manifest, Criteo's or a schema's, checked
+    before anything is read or allocated from them: every shard as :func:`check_shard` says,
+    the rows together within :data:`MAX_ROWS` and equal to ``rows``, and ``splits`` train, val
+    and test, each a list of ``[shard, first row, end row]`` within that shard's rows, holding
+    no more rows together than the shards. The shards' real sizes are checked against these
+    when the dataset is opened (:func:`check_sizes`)."""
+    sources = len(doc.list("sources", MAX_SHARDS))
+    shards = [check_shard(doc.at(f"shards[{i}]", raw), folder, row_bytes, num_lists, value_bytes, sources, sizes_optional)
+              for i, raw in enumerate(doc.list("shards", MAX_SHARDS))]  # fmt: skip
+    total = sum(s.rows for s in shards)
+    if total > MAX_ROWS:
+        raise UntrustedInputError(doc.file, "shards", f"hold {total} rows together, more than {MAX_ROWS}")
+    doc.int("rows", lo=total, hi=total, optional=sizes_optional)
+    names = doc.mapping("splits", len(SPLITS))
+    if sorted(names) != sorted(SPLITS):
+        raise UntrustedInputError(doc.file, "splits", f"must be train, val and test, got {shown(sorted(map(str, names)))}")
+    splits: dict[str, list[list[int]]] = {}
+    in_splits = 0
+    for name in SPLITS:
+        splits[name] = []
+        for i, segment in enumerate(doc.obj("splits").list(name, MAX_SHARDS)):
+            field = f"splits.{name}[{i}]"
+            if not isinstance(segment, list) or len(segment) != 3:
+                raise UntrustedInputError(doc.file, field, f"must be [shard, first row, end row], got {shown(segment)}")
+            shard = integer(segment[0], doc.file, field, hi=len(shards) - 1)
+            hi = integer(segment[2], doc.file, field, hi=shards[shard].rows)
+            lo = integer(segment[1], doc.file, field, hi=hi)
+            splits[name].append([shard, lo, hi])
+            in_splits += hi - lo
+    if in_splits > total:
+        raise UntrustedInputError(doc.file, "splits", f"hold {in_splits} rows together, more than the {total} of the shards")
+    return shards, splits
+
+
+def file_sizes(folder: str, names: Sequence[str]) -> list[tuple[str, Optional[int]]]:
+    """``(url, size or None if missing)`` of each file ``names`` gives (checked names inside
+    ``folder``), from one listing per sub-folder. A local name that is a link out of the
+    folder or not a regular file (``/dev/zero``) is an :class:`UntrustedInputError`."""
+    listed: dict[str, dict[str, int]] = {}
+    out = []
+    for rel in names:
+        local_member(folder, rel, storage.join(folder, MANIFEST), "shards")
+        sub, _, name = rel.rpartition("/")
+        if sub not in listed:
+            try:
+                listed[sub] = storage.list_sizes(storage.join(folder, *sub.split("/")) if sub else folder)
+            except storage.StorageNotFoundError:
+                listed[sub] = {}
+        out.append((storage.join(folder, *rel.split("/")), listed[sub].get(name)))
+    return out
+
+
+def check_sizes(folder: str, shards: Sequence[Shard]) -> None:
+    """Every shard listed in its folder with the size the manifest gives (one listing per
+    sub-folder, nothing read): an :class:`UntrustedInputError` naming the first that is
+    missing or of another size."""
+    for s, (url, actual) in zip(shards, file_sizes(folder, [s.path for s in shards])):
+        if actual is None:
+            raise UntrustedInputError(url, "", f"is missing (the manifest lists {len(shards)} shards); "
+                                      "copy the whole folder again, or preprocess again")  # fmt: skip
+        if actual != s.bytes:
+            raise UntrustedInputError(url, "", f"has {actual} bytes, the manifest says {s.bytes} (truncated or altered); "
+                                      "copy it again, or preprocess again")  # fmt: skip
+
+
+def verify_files(folder: str, shards: Sequence[Shard], threads: int = 8) -> dict[str, Any]:
+    """Every shard's size and, where the manifest records one, checksum (reads every byte;
+    shards in parallel), for ``data verify`` of any dataset. Returns ``{"shards", "bytes",
+    "checked", "problems": [...]}``; a problem names the shard."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    sized = file_sizes(folder, [s.path for s in shards])
+    problems = []
+    for s, (url, actual) in zip(shards, sized):
+        if actual is None:
+            problems.append(f"{url}: missing")
+        elif actual != s.bytes:
+            problems.append(f"{url}: {actual} bytes, the manifest says {s.bytes} (truncated or altered)")
+
+    def check(item: tuple[str, str]) -> Optional[str]:
+        url, expected_digest = item
+        _, actual = checksum.file_digest(url)
+        if actual != expected_digest:
+            return f"{url}: its bytes differ from when it was written ({checksum.ALGORITHM} checksum mismatch)"
+        return None
+
+    todo = [(url, s.digest) for s, (url, actual) in zip(shards, sized) if s.digest is not None and actual == s.bytes]
+    with ThreadPoolExecutor(max(1, min(threads, len(todo)))) as pool:
+        problems += [p for p in pool.map(check, todo) if p]
+    return {"shards": len(shards), "bytes": sum(s.bytes for s in shards), "checked": len(todo), "problems": problems}
 
 
 @dataclass
@@ -169,162 +309,114 @@ def is_schema_dataset(manifest: Any) -> bool:
 
 def load_dataset(path: str, manifest: Optional[dict] = None, check_files: bool = True) -> Dataset:
     """The dataset at ``path``: its manifest checked field by field, then (``check_files``)
-    every shard's size as listed in its folder, before anything is read or allocated."""
+    every shard's size as listed in its folder, before anything is read or allocated; an
+    :class:`UntrustedInputError` naming the file and field otherwise."""
     url = storage.join(path, MANIFEST)
     if manifest is None:
-        manifest = trust.load_json(url)
-    m = trust.mapping(manifest, url, "manifest")
-    if m.get("format") != FORMAT_NAME or m.get("version") != FORMAT_VERSION:
-        raise TrustError(url, "format", f"is not a {FORMAT_NAME} v{FORMAT_VERSION} manifest "
-                         f"(format {trust.shown(m.get('format'))}, version {trust.shown(m.get('version'))})")  # fmt: skip
-    schema = parse_schema(m.get("schema"), f"{url} (schema)")
-    tr = check_transforms(m.get("transforms"), schema, url, "transforms")
+        manifest = read_json(url, MAX_MANIFEST_BYTES)
+    doc = Fields(manifest, url)
+    if manifest.get("format") != FORMAT_NAME or manifest.get("version") != FORMAT_VERSION:
+        raise UntrustedInputError(url, "format", f"is not a {FORMAT_NAME} v{FORMAT_VERSION} manifest "
+                                  f"(format {shown(manifest.get('format'))}, version {shown(manifest.get('version'))})")  # fmt: skip
+    schema = parse_schema(doc.get("schema"), f"{url} (schema)")
+    tr = check_transforms(doc.get("transforms"), schema, url, "transforms")
     table_sizes = tr["table_sizes"]
     from torchrec_cloud.data.transforms import id_dtype, record_dtype
 
     record = record_dtype(schema, table_sizes)
     list_dtype = np.dtype("<i4" if id_dtype(table_sizes) == "int32" else "<i8")
-    rec = trust.mapping(m.get("record"), url, "record")
-    if trust.integer(rec.get("bytes_per_row"), url, "record.bytes_per_row", 1, 1 << 20) != record.itemsize:
-        raise TrustError(url, "record.bytes_per_row", f"is {rec.get('bytes_per_row')}, the schema's records have {record.itemsize}")
-    if rec.get("list_dtype") != list_dtype.name:
-        raise TrustError(url, "record.list_dtype", f"is {trust.shown(rec.get('list_dtype'))}, the tables need {list_dtype.name}")
-    num_lists = len(schema.lists)
-    shards = []
-    total = 0
-    entries = trust.sequence(m.get("shards"), url, "shards", 1 << 22)
-    for i, entry in enumerate(entries):
-        f = f"shards[{i}]"
-        e = trust.mapping(entry, url, f)
-        name = trust.name(e.get("path"), url, f"{f}.path", folders=(SHARD_DIR,))
-        rows = trust.integer(e.get("rows"), url, f"{f}.rows", 1, trust.MAX_ROWS)
-        values = [trust.integer(v, url, f"{f}.values[{j}]", 0, trust.MAX_ROWS)
-                  for j, v in enumerate(trust.sequence(e.get("values"), url, f"{f}.values", 4096))]  # fmt: skip
-        if len(values) != num_lists:
-            raise TrustError(url, f"{f}.values", f"has {len(values)} counts, the schema has {num_lists} list features")
-        size = trust.integer(e.get("bytes"), url, f"{f}.bytes", 1, 1 << 50)
-        expected = shard_bytes(rows, values, record.itemsize, list_dtype.itemsize)
-        if size != expected:
-            raise TrustError(url, f"{f}.bytes", f"is {size}, but {rows} rows and {sum(values)} list ids take {expected}")
-        digest = e.get(checksum.ALGORITHM)
-        if digest is not None:
-            trust.text(digest, url, f"{f}.{checksum.ALGORITHM}", 32)
-        source = trust.integer(e.get("source", 0), url, f"{f}.source", 0, 1 << 30)
-        shards.append(Shard(storage.join(path, *name.split("/")), name, rows, size, values, source, digest))
-        total += rows
-    if trust.integer(m.get("rows"), url, "rows", 0, trust.MAX_ROWS) != total:
-        raise TrustError(url, "rows", f"is {m.get('rows')}, the shards hold {total}")
-    splits_raw = trust.mapping(m.get("splits"), url, "splits")
-    splits: dict[str, list[list[int]]] = {}
-    for split in SPLITS:
-        segs = []
-        for k, seg in enumerate(trust.sequence(splits_raw.get(split, []), url, f"splits.{split}", 1 << 24)):
-            f = f"splits.{split}[{k}]"
-            seg = trust.sequence(seg, url, f, 3)
-            if len(seg) != 3:
-                raise TrustError(url, f, "must be [shard, first row, end row]")
-            s = trust.integer(seg[0], url, f"{f}[0]", 0, max(len(shards) - 1, 0))
-            lo = trust.integer(seg[1], url, f"{f}[1]", 0, shards[s].rows if shards else 0)
-            hi = trust.integer(seg[2], url, f"{f}[2]", lo, shards[s].rows if shards else 0)
-            segs.append([s, lo, hi])
-        splits[split] = segs
+    rec = doc.obj("record")
+    rec.int("bytes_per_row", lo=record.itemsize, hi=record.itemsize)
+    rec.text("list_dtype", choices=(list_dtype.name,))
+    shards, splits = check_layout(doc, path, record.itemsize, len(schema.lists), list_dtype.itemsize)
     if check_files:
         check_sizes(path, shards)
-    return Dataset(path, m, schema, record, list_dtype, table_sizes, shards, splits, tr["vocab"], tr["dense_stats"])
+    return Dataset(path, manifest, schema, record, list_dtype, table_sizes, shards, splits, tr["vocab"], tr["dense_stats"])
 
 
 def check_transforms(raw: Any, schema: Schema, where: str, field: str) -> dict[str, Any]:
     """The ``transforms`` section of a manifest or a model config: table sizes, vocabulary
     files and dense statistics, checked against the schema."""
-    t = trust.mapping(raw, where, field)
-    sizes = trust.sequence(t.get("table_sizes"), where, f"{field}.table_sizes", 4096)
-    if len(sizes) != len(schema.sparse):
-        raise TrustError(where, f"{field}.table_sizes",
-                         f"has {len(sizes)} values, the schema has {len(schema.sparse)} sparse features")  # fmt: skip
-    table_sizes = []
-    for i, (n, f) in enumerate(zip(sizes, schema.sparse)):
-        table_sizes.append(trust.integer(n, where, f"{field}.table_sizes[{i}]", 1, f.num_embeddings))
+    t = Fields(raw, where, field)
+    table_sizes = t.ints("table_sizes", len(schema.sparse), lo=1)
+    if len(table_sizes) != len(schema.sparse):
+        raise UntrustedInputError(where, t.field("table_sizes"),
+                                  f"has {len(table_sizes)} values, the schema has {len(schema.sparse)} sparse features")  # fmt: skip
+    for i, (n, f) in enumerate(zip(table_sizes, schema.sparse)):
+        integer(n, where, f"{t.field('table_sizes')}[{i}]", 1, f.num_embeddings)
     vocab = {}
-    vocab_raw = trust.mapping(t.get("vocab", {}), where, f"{field}.vocab")
+    vocab_raw = t.obj("vocab", optional=True) or Fields({}, where, t.field("vocab"))
     for f, n in zip(schema.sparse, table_sizes):
         if f.mapping != "vocab":
-            if f.name in vocab_raw:
-                raise TrustError(where, f"{field}.vocab.{f.name}", "the schema does not map this feature by vocab")
+            if vocab_raw.has(f.name):
+                raise UntrustedInputError(where, vocab_raw.field(f.name), "the schema does not map this feature by vocab")
             if n != f.num_embeddings:
-                raise TrustError(where, f"{field}.table_sizes", f"{f.name} has {n} rows, its schema says {f.num_embeddings}")
+                raise UntrustedInputError(where, t.field("table_sizes"), f"{f.name} has {n} rows, its schema says {f.num_embeddings}")
             continue
-        g = f"{field}.vocab.{f.name}"
-        e = trust.mapping(vocab_raw.get(f.name), where, g)
+        e = vocab_raw.obj(f.name)
         vocab[f.name] = {
-            "path": trust.name(e.get("path"), where, f"{g}.path", folders=(VOCAB_DIR,)),
-            "bytes": trust.integer(e.get("bytes"), where, f"{g}.bytes", 1, trust.MAX_VOCAB_BYTES),
-            checksum.ALGORITHM: trust.text(e.get(checksum.ALGORITHM), where, f"{g}.{checksum.ALGORITHM}", 32),
-            "size": trust.integer(e.get("size"), where, f"{g}.size", 0, f.num_embeddings - 1),
+            "path": e.name("path", parts=2),
+            "bytes": e.int("bytes", lo=1, hi=MAX_VOCAB_BYTES),
+            checksum.ALGORITHM: e.text(checksum.ALGORITHM, max_len=64),
+            "size": e.int("size", hi=f.num_embeddings - 1),
         }
         if vocab[f.name]["size"] + 1 != n:
-            raise TrustError(where, f"{field}.table_sizes",
-                             f"{f.name} has {n} rows, its vocabulary {vocab[f.name]['size']} ids plus row 0")  # fmt: skip
+            raise UntrustedInputError(where, t.field("table_sizes"),
+                                      f"{f.name} has {n} rows, its vocabulary {vocab[f.name]['size']} ids plus row 0")  # fmt: skip
     stats = {}
-    stats_raw = trust.mapping(t.get("dense_stats", {}), where, f"{field}.dense_stats")
+    stats_raw = t.obj("dense_stats", optional=True) or Fields({}, where, t.field("dense_stats"))
     for f in schema.dense:
         if f.transform != "standardize" and f.fill != "mean":
             continue
-        g = f"{field}.dense_stats.{f.name}"
-        e = trust.mapping(stats_raw.get(f.name), where, g)
-        std = trust.number(e.get("std"), where, f"{g}.std")
-        if std <= 0:
-            raise TrustError(where, f"{g}.std", f"must be > 0, got {std}")
-        stats[f.name] = {"mean": trust.number(e.get("mean"), where, f"{g}.mean"), "std": std}
+        e = stats_raw.obj(f.name)
+        stats[f.name] = {"mean": e.number("mean"), "std": e.number("std", lo=1e-300)}
     return {"table_sizes": table_sizes, "vocab": vocab, "dense_stats": stats}
 
 
-def check_sizes(path: str, shards: list[Shard]) -> None:
-    """Every shard listed in its folder with the size the manifest gives (one listing)."""
-    try:
-        listed = storage.list_sizes(storage.join(path, SHARD_DIR))
-    except storage.StorageNotFoundError:
-        listed = {}
-    for s in shards:
-        actual = listed.get(s.path.rsplit("/", 1)[-1])
-        if actual is None:
-            raise TrustError(s.url, "", f"is missing (the manifest lists {len(shards)} shards); "
-                             "copy the whole folder again, or preprocess again")  # fmt: skip
-        if actual != s.bytes:
-            raise TrustError(s.url, "", f"has {actual} bytes, the manifest says {s.bytes} (truncated or altered); copy it again")
-
-
 def read_vocabularies(folder: str, entries: dict[str, dict], where: str) -> dict[str, list]:
-    """Each feature's vocabulary (its ids in row order), read from ``folder`` after its size is
-    checked against ``entries`` and its bytes against the checksum."""
+    """Each feature's vocabulary (its ids in row order), read from ``folder`` no further than
+    the size ``entries`` records, and checked against its checksum."""
+    return {name: _vocabulary(url, e, where) for name, (url, e) in _vocab_files(folder, entries).items()}
+
+
+def vocabulary_bytes(folder: str, entries: dict[str, dict]) -> dict[str, bytes]:
+    """Each vocabulary file's bytes (by its path in the folder), size- and checksum-checked:
+    what ``export`` copies into a model folder."""
+    return {e["path"]: _vocab_data(url, e) for url, e in _vocab_files(folder, entries).values()}
+
+
+def _vocab_files(folder: str, entries: dict[str, dict]) -> dict[str, tuple[str, dict]]:
     out = {}
     for name, e in entries.items():
-        url = storage.join(folder, *e["path"].split("/"))
-        data = trust.read_capped(url, trust.MAX_VOCAB_BYTES, e["bytes"])
-        if checksum.digest(data) != e[checksum.ALGORITHM]:
-            raise TrustError(url, "", f"its bytes differ from when it was written ({checksum.ALGORITHM} checksum mismatch)")
-        import json
-
-        try:
-            doc = json.loads(data)
-        except (ValueError, RecursionError) as err:
-            raise TrustError(url, "", f"is not valid JSON ({trust.shown(str(err), 120)})") from None
-        values = trust.sequence(trust.mapping(doc, url, "vocabulary").get("values"), url, "values", e["size"])
-        if len(values) != e["size"]:
-            raise TrustError(url, "values", f"has {len(values)} ids, {where} says {e['size']}")
-        kinds = {type(v) for v in values}
-        if not kinds <= {str} and not kinds <= {int}:
-            raise TrustError(url, "values", "must be all strings or all integers")
-        if len(set(values)) != len(values):
-            raise TrustError(url, "values", "lists an id twice")
-        out[name] = values
+        local_member(folder, e["path"], storage.join(folder, MANIFEST), f"transforms.vocab.{name}.path")
+        out[name] = (storage.join(folder, *e["path"].split("/")), e)
     return out
+
+
+def _vocab_data(url: str, e: dict) -> bytes:
+    data = read_capped(url, MAX_VOCAB_BYTES, e["bytes"])
+    if checksum.digest(data) != e[checksum.ALGORITHM]:
+        raise UntrustedInputError(url, "", f"its bytes differ from when it was written ({checksum.ALGORITHM} checksum mismatch)")
+    return data
+
+
+def _vocabulary(url: str, e: dict, where: str) -> list:
+    values = Fields(parse_json(_vocab_data(url, e), url), url).list("values", e["size"])
+    if len(values) != e["size"]:
+        raise UntrustedInputError(url, "values", f"has {len(values)} ids, {where} says {e['size']}")
+    kinds = {type(v) for v in values}
+    if not kinds <= {str} and not kinds <= {int}:
+        raise UntrustedInputError(url, "values", "must be all strings or all integers")
+    if len(set(values)) != len(values):
+        raise UntrustedInputError(url, "values", "lists an id twice")
+    return values
 
 
 def read_manifest(path: str) -> dict:
     """The manifest at ``path`` as JSON, size-capped, or a ConfigError saying what to do."""
     url = storage.join(path, MANIFEST)
     try:
-        return trust.load_json(url)
+        return read_json(url, MAX_MANIFEST_BYTES)
     except storage.StorageNotFoundError:
         if storage.exists(storage.join(path, "_plan.json")):
             hint = "an interrupted preprocessing run: run the same command again to finish it"
@@ -332,7 +424,7 @@ def read_manifest(path: str) -> dict:
             hint = (f"make it with: torchrec-cloud data preprocess --schema FILE --input FILES --output {path}, "
                     "or --format kaggle|terabyte for Criteo")  # fmt: skip
         raise ConfigError("dataset_path", f"{url} not found ({hint})") from None
-    except trust.TrustError as e:
+    except UntrustedInputError as e:
         raise ConfigError("dataset_path", str(e)) from None
 
 
@@ -353,7 +445,7 @@ def model_features(cfg: JobConfig) -> JobConfig:
         return cfg
     try:
         ds = load_dataset(cfg.data.dataset_path, manifest, check_files=False)
-    except trust.TrustError as e:
+    except UntrustedInputError as e:
         raise ConfigError("dataset_path", str(e)) from None
     if cfg.data.multi_hot_sizes is not None:
         raise ConfigError("multi_hot_sizes", "applies to Criteo data; a schema's list features are bags of their own")

@@ -32,12 +32,27 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from torchrec_cloud import checksum, storage, trust
+from torchrec_cloud import checksum, storage
 from torchrec_cloud.data.criteo_parse import PreprocessError
-from torchrec_cloud.data.dataset import FORMAT_NAME, FORMAT_VERSION, MANIFEST, SHARD_DIR, SPLITS, VOCAB_DIR, Rows
+from torchrec_cloud.data.dataset import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    MAX_SHARDS,
+    MAX_VOCAB_BYTES,
+    SHARD_DIR,
+    SPLITS,
+    VOCAB_DIR,
+    Rows,
+    check_shard,
+    load_dataset,
+)
 from torchrec_cloud.data.schema import Schema, Split
 from torchrec_cloud.data.tabular import BadRowError, Input
 from torchrec_cloud.data.transforms import SPLIT_CODES, Transforms
+from torchrec_cloud.errors import CommandError
+from torchrec_cloud.untrusted import MAX_ROWS, Fields, UntrustedInputError, integer, number, read_json, shown
 
 PLAN = "_plan.json"
 COUNTS_DIR = "_counts"
@@ -146,7 +161,7 @@ class _Reader:
         except TypeError as e:  # a Parquet column of a type the schema cannot read
             raise PreprocessError(f"{inp.path}: {e} (the schema and the file disagree)") from None
         except ValueError as e:
-            if isinstance(e, trust.TrustError):
+            if isinstance(e, CommandError):  # a file's field, already named
                 raise
             raise PreprocessError(f"{inp.path}: {e}") from None
 
@@ -226,19 +241,25 @@ def merge_counts(opts: Options) -> tuple[dict[str, list], dict[str, dict[str, fl
     moments = {f.name: [0, 0.0, 0.0] for f in schema.dense if f.transform == "standardize" or f.fill == "mean"}
     for source in range(len(opts.inputs)):
         url = _url(opts, COUNTS_DIR, stem(opts, source) + ".json")
-        doc = trust.mapping(trust.load_json(url, trust.MAX_VOCAB_BYTES), url, "counts")
-        ids = trust.mapping(doc.get("ids"), url, "ids")
+        doc = Fields(read_json(url, MAX_VOCAB_BYTES), url)
+        ids = doc.obj("ids")
         for name, acc in totals.items():
-            entry = trust.mapping(ids.get(name), url, f"ids.{name}")
-            values = trust.sequence(entry.get("values"), url, f"ids.{name}.values", 1 << 30)
-            found = trust.sequence(entry.get("counts"), url, f"ids.{name}.counts", 1 << 30)
+            entry = ids.obj(name)
+            values = entry.list("values", 1 << 30)
+            found = entry.list("counts", 1 << 30)
             if len(values) != len(found):
-                raise trust.TrustError(url, f"ids.{name}", "values and counts differ in length")
+                raise UntrustedInputError(url, entry.path, "values and counts differ in length")
             for v, c in zip(values, found):
+                if type(v) not in (str, int) or type(c) is not int or c < 0:
+                    raise UntrustedInputError(url, entry.path, f"an id must be text or an integer and its count an "
+                                              f"integer >= 0, got {shown(v)}: {shown(c)}")  # fmt: skip
                 acc[v] = acc.get(v, 0) + c
-        got = trust.mapping(doc.get("moments"), url, "moments")
+        got = doc.obj("moments")
         for name in moments:
-            m = trust.sequence(got.get(name), url, f"moments.{name}", 3)
+            m = got.list(name, 3)
+            if len(m) != 3:
+                raise UntrustedInputError(url, got.field(name), f"must be [count, mean, M2], got {shown(m)}")
+            m = [integer(m[0], url, got.field(name), hi=MAX_ROWS)] + [number(x, url, got.field(name)) for x in m[1:]]
             moments[name] = _merge_moments(moments[name], m)
     vocabularies = {}
     for f in schema.sparse:
@@ -278,7 +299,7 @@ def convert_input(opts: Options, source: int, transforms: Transforms, report: Ca
 
     def committed(k: int) -> Optional[dict]:
         url = _url(opts, SHARD_DIR, name(k) + ".done")
-        return _entry(trust.load_json(url), url) if storage.exists(url) else None
+        return _entry(opts, transforms, Fields(read_json(url, MAX_MANIFEST_BYTES), url)) if storage.exists(url) else None
 
     def flush(k: int, parts: list[tuple[Rows, np.ndarray]], marker: Optional[dict]) -> None:
         if marker is not None:  # committed by an earlier run
@@ -315,19 +336,15 @@ def convert_input(opts: Options, source: int, transforms: Transforms, report: Ca
     storage.write_bytes(done_url, json.dumps(doc).encode())
 
 
-def _entry(raw: Any, url: str) -> dict:
-    """A shard's record (a ``.done`` marker, or an entry of an input's record), checked."""
-    e = trust.mapping(raw, url, "shard")
-    trust.name(e.get("path"), url, "path", folders=(SHARD_DIR,))
-    for key in ("source", "rows", "bytes"):
-        trust.integer(e.get(key), url, key)
-    trust.text(e.get(checksum.ALGORITHM), url, checksum.ALGORITHM, 32)
-    for key in ("values", "splits"):
-        for i, v in enumerate(trust.sequence(e.get(key), url, key, 4096)):
-            trust.integer(v, url, f"{key}[{i}]")
-    if sum(e["splits"]) != e["rows"] or len(e["splits"]) != 3:
-        raise trust.TrustError(url, "splits", f"must count the {e['rows']} rows of train, val and test")
-    return e
+def _entry(opts: Options, t: Transforms, e: Fields) -> dict:
+    """A shard's record (a ``.done`` marker, or an entry of an input's record), checked as a
+    manifest's shards are (:func:`~torchrec_cloud.data.dataset.check_shard`), with its rows
+    per split."""
+    shard = check_shard(e, opts.output, t.dtype.itemsize, len(opts.schema.lists), t.list_dtype.itemsize, len(opts.inputs))
+    splits = e.ints("splits", 3, hi=MAX_ROWS)
+    if sum(splits) != shard.rows or len(splits) != 3:
+        raise UntrustedInputError(e.file, e.field("splits"), f"must count the {shard.rows} rows of train, val and test")
+    return e.data
 
 
 # ---------------------------------------------------------------------------------------
@@ -341,10 +358,11 @@ def write_manifest(opts: Options, transforms: Transforms, vocab_entries: dict, s
         url = _url(opts, SOURCES_DIR, stem(opts, source) + ".json")
         if not storage.exists(url):
             return None
-        doc = trust.mapping(trust.load_json(url), url, "input")
-        doc["shards"] = [_entry(e, url) for e in trust.sequence(doc.get("shards"), url, "shards", 1 << 20)]
-        trust.integer(doc.get("skipped_rows"), url, "skipped_rows")
-        doc["skipped_examples"] = [trust.shown(x, 300) for x in trust.sequence(doc.get("skipped_examples"), url, "skipped_examples", 5)]
+        record = Fields(read_json(url, MAX_MANIFEST_BYTES), url)
+        doc = record.data
+        doc["shards"] = [_entry(opts, transforms, record.at(f"shards[{i}]", e)) for i, e in enumerate(record.list("shards", MAX_SHARDS))]
+        record.int("skipped_rows", hi=MAX_ROWS)
+        doc["skipped_examples"] = [shown(x, 300) for x in record.list("skipped_examples", 5)]
         docs.append(doc)
     shards, splits = [], {s: [] for s in SPLITS}
     sources, examples = [], []
@@ -415,14 +433,14 @@ def _prepare(opts: Options) -> Optional[dict]:
     plan_url = storage.join(opts.output, PLAN)
     plan = opts.plan()
     if storage.exists(plan_url):
-        old = trust.load_json(plan_url)
+        old = read_json(plan_url, MAX_MANIFEST_BYTES)
         if old != plan:
-            changed = sorted(k for k in set(old) | set(plan) if old.get(k) != plan.get(k)) if isinstance(old, dict) else ["plan"]
+            changed = sorted(str(k) for k in set(old) | set(plan) if old.get(k) != plan.get(k)) if isinstance(old, dict) else ["plan"]
             raise PreprocessError(f"{opts.output} holds a preprocessing run with different settings "
-                                  f"({', '.join(changed)}); use another --output or delete that one")  # fmt: skip
+                                  f"({shown(', '.join(changed), 200)}); use another --output or delete that one")  # fmt: skip
         manifest_url = storage.join(opts.output, MANIFEST)
         if storage.exists(manifest_url):
-            return trust.load_json(manifest_url)
+            return load_dataset(opts.output, read_json(manifest_url, MAX_MANIFEST_BYTES), check_files=False).manifest
     else:
         storage.write_bytes(plan_url, json.dumps(plan, indent=1).encode())
     return None

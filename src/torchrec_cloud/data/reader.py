@@ -20,8 +20,9 @@ import torch
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_cloud import storage, trust
+from torchrec_cloud import storage
 from torchrec_cloud.config import ConfigError, JobConfig
+from torchrec_cloud.data import SPLITS
 from torchrec_cloud.data.dataset import (
     OFFSET_BYTES,
     Dataset,
@@ -32,6 +33,7 @@ from torchrec_cloud.data.dataset import (
     read_manifest,
 )
 from torchrec_cloud.data.shards import IO_THREADS, WINDOW_ROWS, ShardSource
+from torchrec_cloud.untrusted import UntrustedInputError
 
 
 def kjt(keys: Sequence[str], lengths: Sequence[np.ndarray], values: Sequence[np.ndarray], stride: int) -> KeyedJaggedTensor:
@@ -84,7 +86,9 @@ class SchemaSource(ShardSource):
     """Batches of a schema's shards for one rank."""
 
     def __init__(self, dataset: Dataset, *, batch_size: int, rank: int, world_size: int, shuffle: bool = False,
-                 seed: int = 0, window_rows: int = WINDOW_ROWS, io_threads: int = IO_THREADS) -> None:  # fmt: skip
+                 seed: int = 0, window_rows: int = WINDOW_ROWS, io_threads: int = IO_THREADS,
+                 splits: Sequence[str] = SPLITS) -> None:  # fmt: skip
+        """``splits``: those that must have rows (see :class:`~torchrec_cloud.data.shards.ShardSource`)."""
         self.dataset = dataset
         self.dtype = dataset.record
         self.list_dtype = dataset.list_dtype
@@ -95,7 +99,8 @@ class SchemaSource(ShardSource):
         self.lists = [k for k, f in enumerate(sparse) if f.list]
         self.table_sizes = np.asarray(dataset.table_sizes, np.int64)
         self._init_splits(dataset.path, dataset.splits, batch_size=batch_size, rank=rank, world_size=world_size,
-                          shuffle=shuffle, seed=seed, window_rows=window_rows, io_threads=io_threads)  # fmt: skip
+                          shuffle=shuffle, seed=seed, window_rows=window_rows, io_threads=io_threads,
+                          required=splits)  # fmt: skip
 
     def _read(self, shard: Any, start: int, count: int, itemsize: int, what: str) -> bytes:
         if count == 0:  # an empty range (rows whose lists are all empty): no read at all
@@ -116,8 +121,8 @@ class SchemaSource(ShardSource):
             offsets = np.frombuffer(self._read(shard, base + lo * OFFSET_BYTES, hi - lo + 1, OFFSET_BYTES, "offsets"), "<i8")
             first, last = int(offsets[0]), int(offsets[-1])
             if first < 0 or last > shard.values[j] or np.any(np.diff(offsets) < 0):
-                raise trust.TrustError(shard.url, f"list {ds.schema.lists[j].name}",
-                                       "offsets out of order or past its ids: the shard is damaged (data verify finds it)")  # fmt: skip
+                raise UntrustedInputError(shard.url, f"list {ds.schema.lists[j].name}",
+                                          "offsets out of order or past its ids: the shard is damaged (data verify finds it)")  # fmt: skip
             values_at = base + (shard.rows + 1) * OFFSET_BYTES
             item = self.list_dtype.itemsize
             values = np.frombuffer(self._read(shard, values_at + first * item, last - first, item, "ids"), self.list_dtype)
@@ -141,7 +146,7 @@ def build_dataset_source(cfg: JobConfig, rank: int, world_size: int) -> ShardSou
         return build_criteo_source(cfg, rank, world_size)
     try:
         ds = load_dataset(path, manifest)
-    except trust.TrustError as e:
+    except UntrustedInputError as e:
         raise ConfigError("dataset_path", str(e)) from None
     features = model_features(cfg).model
     if (features.num_dense_features, features.sparse_names, features.table_sizes) != (

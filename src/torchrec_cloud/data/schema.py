@@ -26,8 +26,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, Union
 
-from torchrec_cloud import trust
-from torchrec_cloud.trust import TrustError
+from torchrec_cloud.untrusted import Fields, UntrustedInputError, number, read_yaml, shown, text
 
 FORMAT = "torchrec-cloud-schema"
 TRANSFORMS = ("none", "log1p", "standardize")
@@ -35,6 +34,7 @@ MAPPINGS = ("hash", "vocab", "modulo")
 ID_TYPES = ("string", "int")
 POOLINGS = ("sum", "mean")
 MAX_TABLE_ROWS = 1 << 40
+MAX_SCHEMA_BYTES = 16 << 20
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
 
@@ -138,116 +138,99 @@ CRITEO = {
 
 def load_schema(path: str) -> Schema:
     """The schema in the YAML (or JSON) file at ``path``, checked."""
-    data = trust.read_capped(path, trust.MAX_MANIFEST_BYTES)
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise TrustError(path, "", "is not UTF-8 text") from None
-    return parse_schema(trust.parse_yaml(text, path), path)
+    return parse_schema(read_yaml(path, MAX_SCHEMA_BYTES), path)
 
 
-def _keys(d: dict, where: str, field_: str, allowed: set[str]) -> None:
-    unknown = sorted(set(d) - allowed)
+def _keys(d: Fields, allowed: set[str]) -> None:
+    unknown = sorted(map(str, set(d.data) - allowed))
     if unknown:
-        raise TrustError(where, f"{field_}.{unknown[0]}" if field_ else unknown[0],
-                         f"unknown key (known: {', '.join(sorted(allowed))})")  # fmt: skip
+        raise UntrustedInputError(d.file, d.field(unknown[0]), f"unknown key (known: {', '.join(sorted(allowed))})")
 
 
-def _ident(value: Any, where: str, field_: str) -> str:
-    value = trust.text(value, where, field_, 64)
+def _ident(d: Fields, key: str, default: Optional[str] = None) -> str:
+    value = d.text(key, 64) if default is None or d.has(key) else default
     if not _IDENT.match(value):
-        raise TrustError(where, field_, f"must be an identifier (letters, digits, _), got {trust.shown(value)}")
+        raise UntrustedInputError(d.file, d.field(key), f"must be an identifier (letters, digits, _), got {shown(value)}")
     return value
 
 
-def _column(d: dict, default: str, where: str, field_: str) -> str:
-    return trust.text(d.get("column", default), where, f"{field_}.column", 200)
+def _or(d: Fields, key: str, default: Any, read: Any) -> Any:
+    """``read(key)`` where ``d`` has ``key``, else ``default``."""
+    return read(key) if d.has(key) else default
 
 
 def parse_schema(raw: Any, where: str) -> Schema:
     """A :class:`Schema` from parsed YAML/JSON (a user's file, or one stored with a dataset or
-    a model), every field checked: one :class:`TrustError` naming the first bad one."""
-    d = trust.mapping(raw, where, "schema")
-    _keys(d, where, "", {"format", "name", "label", "dense", "sparse", "split", "delimiter", "header", "columns"})
-    name = _ident(d.get("name", "schema"), where, "name")
-    lab = trust.mapping(d.get("label"), where, "label")
-    _keys(lab, where, "label", {"column", "threshold"})
-    threshold = lab.get("threshold")
-    label = Label(trust.text(lab.get("column"), where, "label.column"),
-                  None if threshold is None else trust.number(threshold, where, "label.threshold"))  # fmt: skip
+    a model), every field checked: one :class:`~torchrec_cloud.untrusted.UntrustedInputError`
+    naming the first bad one."""
+    d = Fields(raw, where)
+    _keys(d, {"format", "name", "label", "dense", "sparse", "split", "delimiter", "header", "columns"})
+    name = _ident(d, "name", "schema")
+    lab = d.obj("label")
+    _keys(lab, {"column", "threshold"})
+    label = Label(lab.text("column"), lab.number("threshold", optional=True))
     dense = []
-    for i, item in enumerate(trust.sequence(d.get("dense") or [], where, "dense", 4096)):
-        f = f"dense[{i}]"
-        item = trust.mapping(item, where, f)
-        _keys(item, where, f, {"name", "column", "transform", "fill"})
-        n = _ident(item.get("name"), where, f"{f}.name")
-        transform = trust.choice(item.get("transform", "none"), where, f"{f}.transform", TRANSFORMS)
-        fill = item.get("fill", "mean" if transform == "standardize" else 0.0)
+    for i, raw_item in enumerate(_or(d, "dense", [], lambda k: d.list(k, 4096))):
+        item = d.at(f"dense[{i}]", raw_item)
+        _keys(item, {"name", "column", "transform", "fill"})
+        n = _ident(item, "name")
+        transform = _or(item, "transform", "none", lambda k: item.text(k, choices=TRANSFORMS))
+        fill = item.data.get("fill", "mean" if transform == "standardize" else 0.0)
         if fill != "mean":
-            fill = trust.number(fill, where, f"{f}.fill")
-        dense.append(Dense(n, _column(item, n, where, f), transform, fill))
+            fill = number(fill, where, item.field("fill"))
+        dense.append(Dense(n, _or(item, "column", n, lambda k: item.text(k, 200)), transform, fill))
     sparse = []
-    for i, item in enumerate(trust.sequence(d.get("sparse") or [], where, "sparse", 4096)):
-        f = f"sparse[{i}]"
-        item = trust.mapping(item, where, f)
-        _keys(item, where, f, {"name", "column", "type", "list", "mapping", "num_embeddings", "min_count",
-                               "pooling", "separator", "max_length"})  # fmt: skip
-        n = _ident(item.get("name"), where, f"{f}.name")
-        kind = trust.choice(item.get("type", "string"), where, f"{f}.type", ID_TYPES)
-        is_list = item.get("list", False)
-        if not isinstance(is_list, bool):
-            raise TrustError(where, f"{f}.list", f"must be true or false, got {trust.shown(is_list)}")
-        mapping = trust.choice(item.get("mapping", "hash"), where, f"{f}.mapping", MAPPINGS)
+    for i, raw_item in enumerate(_or(d, "sparse", [], lambda k: d.list(k, 4096))):
+        item = d.at(f"sparse[{i}]", raw_item)
+        _keys(item, {"name", "column", "type", "list", "mapping", "num_embeddings", "min_count", "pooling", "separator",
+                     "max_length"})  # fmt: skip
+        n = _ident(item, "name")
+        kind = _or(item, "type", "string", lambda k: item.text(k, choices=ID_TYPES))
+        is_list = _or(item, "list", False, item.bool)
+        mapping = _or(item, "mapping", "hash", lambda k: item.text(k, choices=MAPPINGS))
         if mapping == "modulo" and kind != "int":
-            raise TrustError(where, f"{f}.mapping", "modulo needs integer ids (type: int); use hash or vocab")
-        rows = trust.integer(item.get("num_embeddings"), where, f"{f}.num_embeddings", 2 if mapping == "vocab" else 1,
-                             MAX_TABLE_ROWS)  # fmt: skip
-        max_length = item.get("max_length")
+            raise UntrustedInputError(where, item.field("mapping"), "modulo needs integer ids (type: int); use hash or vocab")
         sparse.append(Sparse(
-            n, _column(item, n, where, f), kind, is_list, mapping, rows,
-            trust.integer(item.get("min_count", 1), where, f"{f}.min_count", 1, 1 << 62),
-            trust.choice(item.get("pooling", "sum"), where, f"{f}.pooling", POOLINGS),
-            trust.text(item.get("separator", "|"), where, f"{f}.separator", 8),
-            None if max_length is None else trust.integer(max_length, where, f"{f}.max_length", 1, 1 << 20),
+            n, _or(item, "column", n, lambda k: item.text(k, 200)), kind, is_list, mapping,
+            item.int("num_embeddings", lo=2 if mapping == "vocab" else 1, hi=MAX_TABLE_ROWS),
+            _or(item, "min_count", 1, lambda k: item.int(k, lo=1, hi=1 << 62)),
+            _or(item, "pooling", "sum", lambda k: item.text(k, choices=POOLINGS)),
+            _or(item, "separator", "|", lambda k: item.text(k, 8)),
+            item.int("max_length", lo=1, hi=1 << 20, optional=True),
         ))  # fmt: skip
     if not dense:
-        raise TrustError(where, "dense", "needs at least one dense feature (the DLRM's bottom MLP reads them)")
+        raise UntrustedInputError(where, "dense", "needs at least one dense feature (the DLRM's bottom MLP reads them)")
     if not sparse:
-        raise TrustError(where, "sparse", "needs at least one sparse feature (an id column)")
+        raise UntrustedInputError(where, "sparse", "needs at least one sparse feature (an id column)")
     for kind, features in (("dense", dense), ("sparse", sparse)):
         names = [f.name for f in features]
         dup = next((n for n in names if names.count(n) > 1), None)
         if dup is not None:
-            raise TrustError(where, kind, f"the name {dup} is used twice")
+            raise UntrustedInputError(where, kind, f"the name {dup} is used twice")
     split = None
-    if d.get("split") is not None:
-        s = trust.mapping(d["split"], where, "split")
-        _keys(s, where, "split", {"by", "val_from", "test_from"})
-        split = Split(trust.text(s.get("by"), where, "split.by"), _bound(s.get("val_from"), where, "split.val_from"),
-                      _bound(s.get("test_from"), where, "split.test_from"))  # fmt: skip
-    delimiter = d.get("delimiter")
+    s = d.obj("split", optional=True)
+    if s is not None:
+        _keys(s, {"by", "val_from", "test_from"})
+        split = Split(s.text("by"), _bound(s, "val_from"), _bound(s, "test_from"))
+    delimiter = d.data.get("delimiter")
     if delimiter is not None and (not isinstance(delimiter, str) or len(delimiter) != 1 or delimiter in "\n\r\""):
-        raise TrustError(where, "delimiter", f"must be one character, got {trust.shown(delimiter)}")
-    header = d.get("header", True)
-    if not isinstance(header, bool):
-        raise TrustError(where, "header", f"must be true or false, got {trust.shown(header)}")
-    columns = d.get("columns")
-    if columns is not None:
-        columns = tuple(trust.text(c, where, f"columns[{i}]") for i, c in
-                        enumerate(trust.sequence(columns, where, "columns", 100_000)))  # fmt: skip
+        raise UntrustedInputError(where, "delimiter", f"must be one character, got {shown(delimiter)}")
+    header = _or(d, "header", True, d.bool)
+    columns = None
+    if d.has("columns"):
+        columns = tuple(text(c, where, f"columns[{i}]") for i, c in enumerate(d.list("columns", 100_000)))
     if not header and columns is None:
-        raise TrustError(where, "columns", "a file without a header (header: false) needs its columns named here")
+        raise UntrustedInputError(where, "columns", "a file without a header (header: false) needs its columns named here")
     return Schema(name, label, tuple(dense), tuple(sparse), split, delimiter, header, columns)
 
 
-def _bound(value: Any, where: str, field_: str) -> Any:
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise TrustError(where, field_, f"must be a number, a date or a file name, got {trust.shown(value)}")
+def _bound(s: Fields, key: str) -> Any:
+    value = s.get(key)
     if isinstance(value, str):
-        trust.text(value, where, field_, 200)
-    else:
-        trust.number(value, where, field_)
-    return value
+        return s.text(key, 200)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value if isinstance(value, int) else s.number(key)
+    raise UntrustedInputError(s.file, s.field(key), f"must be a number, a date or a file name, got {shown(value)}")
 
 
 def split_from_flags(schema: Schema, by: Optional[str], val_from: Optional[str], test_from: Optional[str]) -> Optional[Split]:

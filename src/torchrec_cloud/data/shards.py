@@ -35,12 +35,12 @@ from __future__ import annotations
 import math
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 import numpy as np
 
 from torchrec_cloud.config import ConfigError
-from torchrec_cloud.data import DataSource
+from torchrec_cloud.data import SPLITS, DataSource
 from torchrec_cloud.data.dataset import Rows
 
 if TYPE_CHECKING:
@@ -85,19 +85,22 @@ class ShardSource(DataSource):
     uses_shift = False
 
     def _init_splits(self, path: str, splits: dict[str, list[list[int]]], *, batch_size: int, rank: int,
-                     world_size: int, shuffle: bool, seed: int, window_rows: int, io_threads: int) -> None:  # fmt: skip
+                     world_size: int, shuffle: bool, seed: int, window_rows: int, io_threads: int,
+                     required: Sequence[str] = SPLITS) -> None:  # fmt: skip
+        """``required``: the splits that must have rows (``predict`` needs only the one it
+        scores; with ``train`` among them, at least one batch per rank)."""
         self.path = path
         self.batch_size = batch_size
         self.rank, self.world_size = rank, world_size
         self.shuffle, self.seed = shuffle, seed
         self.io_threads = io_threads
         self.splits = {name: _Split(segs) for name, segs in splits.items()}
-        for name in ("train", "val", "test"):
+        for name in required:
             if self.splits.get(name) is None or self.splits[name].rows == 0:
                 raise ConfigError("dataset_path", f"{path}: the {name} split has no rows")
-        train_rows = self.splits["train"].rows
+        train_rows = self.splits["train"].rows if "train" in self.splits else 0
         self.batches_per_rank = train_rows // (world_size * batch_size)
-        if self.batches_per_rank == 0:
+        if self.batches_per_rank == 0 and "train" in required:
             raise ConfigError(
                 "batch_size",
                 f"{path} has {train_rows} training rows, fewer than one batch per rank "

@@ -7,8 +7,12 @@ Files whose columns disagree with the schema (a column missing, a Parquet column
 wrong type) stop with one line naming the file and the column; a CSV row with the wrong
 number of fields is a bad row at ``FILE:LINE``. Every value of a CSV is read as text and
 converted by :mod:`~torchrec_cloud.data.transforms`, which names the row and column of a
-value that does not convert. Input is bounded: a CSV line may be at most ``MAX_LINE_BYTES``
-and a Parquet row group at most ``MAX_ROW_GROUP_BYTES``.
+value that does not convert. Input is bounded: a CSV line may be at most
+:data:`~torchrec_cloud.untrusted.MAX_LINE_BYTES` (1 MiB, as for every text input), which is
+pyarrow's CSV ``block_size`` here: its streaming reader holds a block or two at a time and
+refuses a row that straddles blocks, so a file without newlines (or a gzip bomb of one line)
+stops after a block rather than filling memory; a Parquet row group may be at most
+``MAX_ROW_GROUP_BYTES``.
 """
 
 from __future__ import annotations
@@ -22,10 +26,9 @@ import pyarrow.parquet as pq
 from torchrec_cloud import storage
 from torchrec_cloud.data.criteo_parse import BadLineError, PreprocessError
 from torchrec_cloud.data.schema import Schema
-from torchrec_cloud.trust import shown
+from torchrec_cloud.untrusted import MAX_LINE_BYTES, shown
 
 BATCH_ROWS = 65_536
-MAX_LINE_BYTES = 16 << 20
 MAX_ROW_GROUP_BYTES = 2 << 30
 PARQUET = (".parquet", ".pq", ".parq")
 CSV = (".csv", ".tsv", ".txt", ".csv.gz", ".tsv.gz", ".txt.gz")

@@ -31,7 +31,7 @@ import pyarrow.compute as pc
 import xxhash
 
 from torchrec_cloud.data.schema import Schema, Sparse, Split
-from torchrec_cloud.trust import shown
+from torchrec_cloud.untrusted import shown
 
 SPLIT_CODES = {"train": 0, "val": 1, "test": 2}
 INT32_MAX = 2**31 - 1

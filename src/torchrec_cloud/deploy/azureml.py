@@ -11,7 +11,17 @@ original guide did, would start G x G trainers per node::
     print(dump_job(job))                                  # what would be submitted
     submit_job(job, subscription_id=..., resource_group="torchrec-rg", workspace="torchrec-ws")
 
-``pip install 'torchrec-cloud[azure]'`` brings azure-ai-ml and azure-identity.
+Spot, as azure-ai-ml 1.35.2 has it: a compute cluster's priority is the cluster's own
+(``az ml compute create --tier low_priority``), so a job cannot ask for it; serverless
+compute takes a job tier (``command(job_tier="Spot")``, ``QueueSettings``). ``--spot``
+therefore runs on serverless compute (the profile's instance type) unless ``--compute``
+names a cluster, which must then be a low-priority one. Checkpoints go to a datastore path
+(``--checkpoint_url azureml://datastores/NAME/paths/PATH``), mounted read-write on every
+node as the job's output ``checkpoints`` (``Output(mode="rw_mount")``) and reached with the
+job's identity (``--identity``: a user-assigned managed identity's client id) where the
+datastore keeps no credentials; a spot job also checkpoints on a clock (deploy/managed.py).
+
+``pip install -e '.[azure]'`` brings azure-ai-ml and azure-identity.
 """
 
 from __future__ import annotations
@@ -19,24 +29,34 @@ from __future__ import annotations
 import dataclasses
 import json
 import shlex
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 
+from torchrec_cloud.deploy.managed import check_checkpoint_url, managed_service, with_spot_cadence
 from torchrec_cloud.deploy.manifests import build_context
+from torchrec_cloud.deploy.profiles import load_profile
 from torchrec_cloud.deploy.spec import DeploySpec, MissingExtraError
 
 # Azure ML uploads ./outputs of each run; rank 0 writes metrics.jsonl there.
 OUTPUT_ROOT = "./outputs"
+# The compute of a job that names none: a cluster for on-demand jobs (`az ml compute
+# create`, azure/README.md), serverless compute for spot ones (the only compute whose tier a
+# job sets).
+DEFAULT_CLUSTER = "gpu-cluster"
+SERVERLESS = "serverless"
+# The job output the checkpoint datastore path is mounted as; Azure ML puts its mount path
+# in place of this expression in the command.
+CHECKPOINT_OUTPUT = "checkpoints"
 
 
 def _sdk():
     try:
-        from azure.ai.ml import PyTorchDistribution, command
-        from azure.ai.ml.entities import Environment
+        from azure.ai.ml import Output, PyTorchDistribution, command
+        from azure.ai.ml.entities import Environment, ManagedIdentityConfiguration
     except ImportError as e:
         raise MissingExtraError("azure-ai-ml", "azure") from e
-    return command, PyTorchDistribution, Environment
+    return command, PyTorchDistribution, Environment, Output, ManagedIdentityConfiguration
 
 
 def _docker_size(quantity: str) -> str:
@@ -47,9 +67,9 @@ def _docker_size(quantity: str) -> str:
     return quantity
 
 
-def torchrun_command(spec: DeploySpec, ctx: dict[str, Any]) -> str:
-    """The shell command each node runs; rendezvous values come from Azure ML's variables
-    (NODE_RANK says which node hosts the store)."""
+def torchrun_command(spec: DeploySpec, ctx: dict[str, Any], args: list[str]) -> str:
+    """The shell command each node runs, training with ``args``; rendezvous values come from
+    Azure ML's variables (NODE_RANK says which node hosts the store)."""
     parts = [
         "torchrec-cloud",
         "launch",
@@ -65,25 +85,42 @@ def torchrun_command(spec: DeploySpec, ctx: dict[str, Any]) -> str:
         "torchrec_cloud",
         "train",
     ]
-    args = spec.trainer_args(OUTPUT_ROOT, ctx["planned_args"])
     return " ".join(parts) + " " + " ".join(shlex.quote(a) for a in args)
 
 
-def build_command_job(spec: DeploySpec, compute: str, experiment: str = "torchrec-cloud") -> Any:
-    """An ``azure.ai.ml`` command job: ``spec.nodes`` instances of ``compute`` running the image."""
-    command, PyTorchDistribution, Environment = _sdk()
+def build_command_job(spec: DeploySpec, compute: Optional[str] = None, experiment: str = "torchrec-cloud") -> Any:
+    """An ``azure.ai.ml`` command job: ``spec.nodes`` instances of ``compute`` (a cluster's
+    name, or ``serverless``; default: module docstring) running the image."""
+    command, PyTorchDistribution, Environment, Output, ManagedIdentityConfiguration = _sdk()
+    service = managed_service(load_profile(spec.cloud))
+    check_checkpoint_url(spec, service)
+    outputs = {}
+    if spec.checkpoint_url:
+        outputs[CHECKPOINT_OUTPUT] = Output(type="uri_folder", path=spec.checkpoint_url, mode="rw_mount")
+        spec = dataclasses.replace(spec, checkpoint_url="${{outputs.%s}}" % CHECKPOINT_OUTPUT)
     spec = dataclasses.replace(spec, storage=False)  # Azure ML mounts data through inputs, not the AKS volume
     ctx = build_context(spec)
+    args = with_spot_cadence(spec, service, spec.trainer_args(OUTPUT_ROOT, ctx["planned_args"]))
+    compute = compute or (SERVERLESS if spec.spot else DEFAULT_CLUSTER)
+    placement: dict[str, Any] = {}
+    if compute == SERVERLESS:
+        # Serverless compute has no machine of its own: the job names the VM size and tier.
+        placement["instance_type"] = ctx["instance"].name if ctx["instance"] else None
+        if spec.spot:
+            placement["job_tier"] = service["spot_job_tier"]
     return command(
-        command=torchrun_command(spec, ctx),
+        command=torchrun_command(spec, ctx, args),
         environment=Environment(image=spec.image),
         compute=compute,
         instance_count=spec.nodes,
         distribution=PyTorchDistribution(process_count_per_instance=1),
         shm_size=_docker_size(spec.shm_size or ctx["profile"].shm_size),
         environment_variables={e["name"]: e["value"] for e in ctx["env"]},
+        outputs=outputs,
+        identity=ManagedIdentityConfiguration(client_id=spec.identity) if spec.identity else None,
         display_name=spec.name,
         experiment_name=experiment,
+        **placement,
     )
 
 

@@ -15,6 +15,7 @@ Versions come from ``requirements/stack.txt`` of the checkout (the one source of
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -63,11 +64,26 @@ def install_command(flavour: dict[str, Any], stack: dict[str, str], extras: str)
     return " ".join(env) + " bash scripts/install.sh"
 
 
+def pinned_base(flavour_name: str, flavour: dict[str, Any], stack: dict[str, str]) -> str:
+    """The flavour's base image by tag and digest (``name:tag@sha256:...``): images.yaml must
+    record the digest of exactly this tag, so a new torch or CUDA version cannot keep an old
+    digest, nor build from a tag alone."""
+    base = flavour["base"].format(torch_version=stack["TORCH_VERSION"], cuda=flavour["cuda"])
+    digest = flavour.get("digest") or {}
+    if digest.get("tag") != base or not re.fullmatch(r"[0-9a-f]{64}", str(digest.get("sha256", ""))):
+        raise ValueError(
+            f"src/torchrec_cloud/deploy/images.yaml: flavours.{flavour_name}.digest must pin {base} "
+            f"({{tag: {base}, sha256: <64 hex digits>}}; `docker buildx imagetools inspect {base}` prints it), "
+            f"got {digest!r}"
+        )
+    return f"{base}@sha256:{digest['sha256']}"
+
+
 def dockerfile(flavour_name: str, path: str, root: Path = REPO_ROOT) -> str:
     data = images()
     flavour = data["flavours"][flavour_name]
     stack = read_stack(root)
-    base = flavour["base"].format(torch_version=stack["TORCH_VERSION"], cuda=flavour["cuda"])
+    base = pinned_base(flavour_name, flavour, stack)
     return render_template(
         "Dockerfile.j2", generated_note=NOTE, flavour=flavour, stack=stack, path=path, version=__version__,
         base=base, user_id=data["user_id"], install_command=install_command(flavour, stack, data["extras"]),
@@ -115,9 +131,13 @@ def cloud_files(profile: Profile, root: Path = REPO_ROOT) -> dict[str, str]:
     c = profile.cluster
     instance = profile.instance()
     spec = cloud_spec(profile)
+    nodes = profile.gpu_nodes or {}
     groups = [
-        {"name": c["node_groups"]["on_demand"], "instance": instance, "spot": False, "desired": 2, "max": 4},
-        {"name": c["node_groups"]["spot"], "instance": instance, "spot": True, "desired": 0, "max": 4},
+        {"name": c["node_groups"]["on_demand"], "instance": instance, "spot": False, "desired": 2, "max": 4,
+         "labels": dict(nodes.get("labels") or {}), "taints": list(nodes.get("taints") or [])},
+        {"name": c["node_groups"]["spot"], "instance": instance, "spot": True, "desired": 0, "max": 4,
+         "labels": {**(nodes.get("labels") or {}), **((nodes.get("spot") or {}).get("labels") or {})},
+         "taints": list(nodes.get("taints") or []) + list((nodes.get("spot") or {}).get("taints") or [])},
     ]
     common = dict(generated_note=NOTE, profile=profile, c=c, instance=instance, gpus=instance.gpus,
                   monitoring=build_context(spec, profile)["monitoring"],

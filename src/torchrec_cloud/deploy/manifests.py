@@ -18,6 +18,7 @@ gives the pod labels, annotations, metrics container ports and trainer flags)::
 
 from __future__ import annotations
 
+import json
 import shlex
 from functools import lru_cache
 from typing import Any, Optional
@@ -90,6 +91,8 @@ def environment() -> jinja2.Environment:
     env.filters["yaml_block"] = _yaml_block
     env.filters["toyaml"] = _dump
     env.filters["shquote"] = shlex.quote
+    env.filters["json"] = lambda value: json.dumps(value, separators=(",", ":"))
+    env.filters["taint"] = lambda t: f"{t['key']}={t.get('value', '')}:{t['effect']}"
     return env
 
 
@@ -341,11 +344,16 @@ def _monitoring(spec: DeploySpec, profile: Profile, port: int):
 def render_documents(spec: DeploySpec, profile: Optional[Profile] = None) -> list[str]:
     """The bundle for ``spec.launcher``, one YAML document (text) per template and per object
     the metrics collector needs."""
+    from torchrec_cloud.deploy.schedulable import require_schedulable
+
     ctx = build_context(spec, profile)
     docs = [render_template(name, **ctx) for name in LAUNCHER_TEMPLATES[spec.launcher]]
     docs += [render_template("collector.yaml.j2", manifest=m, **ctx) for m in ctx["monitoring"].manifests]
     docs += [render_template(name, **ctx) for name in ctx["profile"].extra_templates]
-    return [doc.strip("\n") + "\n" for doc in docs]
+    docs = [doc.strip("\n") + "\n" for doc in docs]
+    # A pod asking for a device nothing advertises where it may land stays Pending for good.
+    require_schedulable(load_documents("---\n".join(docs)), ctx["profile"], spec.spot)
+    return docs
 
 
 def render_bundle(spec: DeploySpec, profile: Optional[Profile] = None) -> str:

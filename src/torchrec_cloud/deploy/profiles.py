@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import yaml
 
@@ -43,6 +44,10 @@ class Instance:
     """Memory of each GPU in GiB, for ``torchrec-cloud plan`` and the plan render makes first."""
     accelerator: str = ""
     vertex_accelerator: str = ""
+    fixed_gpus: bool = False
+    """The machine type comes with exactly ``gpus`` GPUs (GCP's A2/A3: "each A2/A3 machine type
+    has a fixed GPU count", Compute Engine's GPU machine types), so an API that takes an
+    accelerator count (Vertex AI's MachineSpec) refuses any other."""
     vcpus: int = 0
     memory: str = ""
     network: str = ""
@@ -50,6 +55,12 @@ class Instance:
     extra_resources: dict[str, int] = field(default_factory=dict)
     rdma_resources: dict[str, int] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
+
+    def capacity(self, resource: str, gpu_resource: str) -> int:
+        """How many of an extended resource one machine has (0: none)."""
+        if resource == gpu_resource:
+            return self.gpus
+        return {**self.extra_resources, **self.rdma_resources}.get(resource, 0)
 
 
 @dataclass(frozen=True)
@@ -87,6 +98,10 @@ class Profile:
     object_store: str = ""
     request_rdma: bool = False
     placeholders: list[str] = field(default_factory=list)
+    gpu_nodes: Optional[dict[str, Any]] = None
+    node_daemons: list[dict[str, Any]] = field(default_factory=list)
+    extended_resource_toleration: bool = False
+    managed_training: Optional[dict[str, Any]] = None
 
     def instance(self, name: Optional[str] = None) -> Optional[Instance]:
         """The named instance type (default: the profile's), or None for a generic cluster."""
@@ -102,6 +117,36 @@ class Profile:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# What a --set value may hold: ids, addresses, names and paths. It goes into YAML unquoted
+# (the PersistentVolume's volumeHandle, server, path), so nothing that YAML would read as
+# more than one plain scalar.
+_SET_VALUE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]*$")
+
+
+def with_values(profile: Profile, assignments: Sequence[str]) -> Profile:
+    """``profile`` with ``KEY=VALUE`` assignments (``render --set``): KEY is a dotted path to a
+    value the profile already has (``storage.nfs_server``), so a typo is refused, naming what
+    is there; the file on disk is left alone."""
+    data = copy.deepcopy(dataclasses.asdict(profile))
+    for assignment in assignments:
+        key, eq, value = assignment.partition("=")
+        if not eq or not _SET_VALUE.match(value):
+            raise ConfigError("set", f"expected KEY=VALUE with a value of letters, digits and . _ / : @ + -, "
+                                     f"got {assignment!r}")  # fmt: skip
+        *parents, leaf = key.split(".")
+        node: Any = data
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node or isinstance(node[leaf], (dict, list)):
+            where = f"under {'.'.join(parents)}" if parents else "at the top"
+            known = sorted(k for k, v in node.items() if not isinstance(v, (dict, list))) if isinstance(node, dict) else []
+            raise ConfigError("set", f"profile {profile.name!r} has no value {key!r}"
+                                     + (f" ({where}: {', '.join(known)})" if known else ""))  # fmt: skip
+        node[leaf] = type(node[leaf])(value) if isinstance(node[leaf], (int, float)) else value
+    data["instances"] = {name: Instance(**inst) for name, inst in data["instances"].items()}
+    return Profile(**data)
 
 
 def profile_names() -> list[str]:

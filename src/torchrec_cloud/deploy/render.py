@@ -2,10 +2,10 @@
 
     torchrec-cloud render --cloud generic --launcher job --nodes 2 --gpus_per_node 1
     torchrec-cloud render --cloud aws --launcher pytorchjob --nodes 4 --gpus_per_node 8 \\
-        --image 111122223333.dkr.ecr.us-west-2.amazonaws.com/torchrec-cloud:0.1.0 --spot \\
-        -- --preset criteo-1tb --batch_size 4096
+        --image 111122223333.dkr.ecr.us-west-2.amazonaws.com/torchrec-cloud:0.1.0 --preset criteo-1tb \\
+        --spot --checkpoint_url s3://your-criteo-bucket/checkpoints -- --batch_size 4096
     torchrec-cloud render --cloud gcp --launcher trainjob --nodes 2 --gpus_per_node 8 --output out/
-    torchrec-cloud render --cloud azure --what storage | kubectl apply -f -
+    torchrec-cloud render --cloud azure --what storage --set storage.nfs_server=10.1.2.3 | kubectl apply -f -
 
 Without ``--output`` the multi-document YAML goes to stdout (``| kubectl apply -f -``); with
 it, ``DIR/<launcher>.yaml`` (and ``DIR/storage.yaml`` where the profile has a file system).
@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from torchrec_cloud.deploy.manifests import render_bundle, render_storage
+from torchrec_cloud.deploy.profiles import load_profile, with_values
 from torchrec_cloud.deploy.spec import add_spec_flags, spec_from_args
 
 
@@ -37,21 +38,31 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="the training job bundle (default) or the profile's storage PersistentVolume + claim",
     )
     parser.add_argument("--output", metavar="DIR", help="write files into DIR instead of stdout")
+    parser.add_argument(
+        "--set",
+        dest="profile_values",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="change one value of the cloud profile for this render, e.g. your file system's in the storage "
+        "PersistentVolume: --set storage.nfs_server=10.1.2.3 (repeatable; KEY as in profiles/<cloud>.yaml)",
+    )
     parser.set_defaults(func=run)
     return parser
 
 
 def run(ns: argparse.Namespace) -> int:
     spec = spec_from_args(ns)
+    profile = with_values(load_profile(spec.cloud), ns.profile_values)
     if ns.what == "storage":
-        text = render_storage(spec)
+        text = render_storage(spec, profile)
         if text is None:
             print(f"torchrec-cloud render: profile {spec.cloud!r} has no storage", file=sys.stderr)
             return 2
         files = {"storage.yaml": text}
     else:
-        files = {f"{spec.launcher}.yaml": render_bundle(spec)}
-        storage = render_storage(spec) if ns.output else None
+        files = {f"{spec.launcher}.yaml": render_bundle(spec, profile)}
+        storage = render_storage(spec, profile) if ns.output else None
         if storage:
             files["storage.yaml"] = storage
     if not ns.output:

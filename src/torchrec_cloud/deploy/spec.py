@@ -15,9 +15,10 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Literal, Optional, Sequence
 
-from torchrec_cloud import __version__
+from torchrec_cloud import __version__, install_extra
 from torchrec_cloud.config import PRESETS, ConfigError, FlagParser, add_config_flags, config_from_args, flag_kwargs
 
 LAUNCHERS = ("job", "pytorchjob", "trainjob")
@@ -42,7 +43,7 @@ class MissingExtraError(ImportError):
     """An optional SDK that is not installed; says which extra brings it."""
 
     def __init__(self, module: str, extra: str) -> None:
-        super().__init__(f"{module} is not installed: pip install 'torchrec-cloud[{extra}]'")
+        super().__init__(f"{module} is not installed: {install_extra(extra)}")
 
 
 class _TrainFlagParser(FlagParser):  # no abbreviations, `_` or `-`, as `train` itself
@@ -50,7 +51,9 @@ class _TrainFlagParser(FlagParser):  # no abbreviations, `_` or `-`, as `train` 
         raise TrainFlagsError(message)
 
 
+@lru_cache(maxsize=1)
 def _trainer_parser() -> argparse.ArgumentParser:
+    # Built once: its help texts come from the config's source, read with inspect (slow).
     parser = _TrainFlagParser(prog="torchrec-cloud train", add_help=False)
     add_config_flags(parser)
     return parser
@@ -149,6 +152,10 @@ class DeploySpec:
                 )
         if self.preset not in PRESETS:
             raise ConfigError("preset", f"must be one of {', '.join(sorted(PRESETS))}, got {self.preset!r}")
+        if self._trains_with("--preset"):
+            # The job's preset decides its plan and what the guides' scripts add; one among the
+            # training flags would silently override the --preset this job was rendered with.
+            raise ConfigError("preset", "give the preset before '--' (--preset NAME), not among the training flags")
         if not self.image.strip():
             raise ConfigError("image", "must not be empty")
         if self.grace_period_s is not None and self.grace_period_s < 60:
@@ -163,10 +170,21 @@ class DeploySpec:
         if self.spot and not self.checkpoint_url and not self._trains_with("--checkpoint_path"):
             raise ConfigError(
                 "checkpoint_url",
-                "--spot needs a checkpoint destination: a reclaimed node's pods resume from the "
-                "checkpoint saved on SIGTERM; pass --checkpoint_url s3://BUCKET/PATH (or a folder on "
-                "the shared file system)",
+                "--spot needs a checkpoint destination: a reclaimed node's pods resume from the last "
+                f"checkpoint; pass --checkpoint_url {self._checkpoint_examples()}",
             )
+
+    def _checkpoint_examples(self) -> str:
+        """Where this cloud's checkpoints can go, in its own URL schemes."""
+        from torchrec_cloud.deploy.profiles import load_profile
+
+        profile = load_profile(self.cloud)
+        store = f"{profile.object_store}/checkpoints" if profile.object_store else "URL (s3://, gs://, az://)"
+        text = f"{store} (or a folder on the shared file system)"
+        managed = profile.managed_training or {}
+        if managed.get("checkpoint_example") and not managed["checkpoint_example"].startswith(store.split("//")[0]):
+            text += f"; on {managed['service']}: {managed['checkpoint_example']}"
+        return text
 
     def _trains_with(self, flag: str) -> bool:
         return any(a == flag or a.startswith(flag + "=") for a in self.train_args)

@@ -1,8 +1,8 @@
 """``torchrec-cloud submit``: render a training job and hand it to a cluster or a cloud service.
 
     torchrec-cloud submit --target kubernetes --cloud aws --nodes 2 --image IMG --dry-run
-    torchrec-cloud submit --target kubernetes --cloud gcp --launcher trainjob --nodes 2 --image IMG --follow \\
-        -- --batch_size 4096
+    torchrec-cloud submit --target kubernetes --cloud gcp --launcher trainjob --nodes 2 --image IMG \\
+        --identity GSA --storage_claim filestore-pvc --follow -- --batch_size 4096
     torchrec-cloud submit --target azureml --cloud azure --nodes 2 --image IMG \\
         --subscription_id SUB --workspace WS --compute gpu-cluster
     torchrec-cloud submit --target vertex --cloud gcp --nodes 2 --image IMG --project P \\
@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import time
+from typing import Optional
 
 from torchrec_cloud.deploy.manifests import JOB_LABEL, render_bundle
 from torchrec_cloud.deploy.profiles import load_profile
@@ -41,23 +42,41 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--target", choices=["kubernetes", "azureml", "vertex"], default="kubernetes")
+    add_submit_flags(parser)
+    return parser
+
+
+def add_submit_flags(parser: argparse.ArgumentParser, target: Optional[str] = None) -> None:
+    """The flags of ``submit``; with ``target``, only those of that target (the cloud scripts)."""
+    if target is None:
+        parser.add_argument("--target", choices=["kubernetes", "azureml", "vertex"], default="kubernetes")
+    else:
+        parser.set_defaults(target=target)
     parser.add_argument("--dry-run", dest="dry_run", action="store_true",
                         help="print what would be submitted; submit nothing")
-    parser.add_argument("--follow", action="store_true", help="kubernetes: wait for the pods and stream logs")
-    parser.add_argument("--kubectl", default="kubectl", help="kubectl binary (kubernetes target)")
-    azure = parser.add_argument_group("azureml target")
-    azure.add_argument("--subscription_id", help="Azure subscription id")
-    azure.add_argument("--resource_group", help="resource group of the workspace (default: the profile's)")
-    azure.add_argument("--workspace", help="Azure ML workspace name")
-    azure.add_argument("--compute", default="gpu-cluster", help="Azure ML compute cluster (default: gpu-cluster)")
-    vertex = parser.add_argument_group("vertex target")
-    vertex.add_argument("--project", help="Google Cloud project (default: the profile's)")
-    vertex.add_argument("--region", help="Vertex AI region (default: the profile's)")
-    vertex.add_argument("--staging_bucket", help="gs:// bucket for outputs (metrics.jsonl under runs/)")
-    add_spec_flags(parser)
+    if target in (None, "kubernetes"):
+        parser.add_argument("--follow", action="store_true", help="kubernetes: wait for the pods and stream logs")
+        parser.add_argument("--kubectl", default="kubectl", help="kubectl binary (kubernetes target)")
+    if target in (None, "azureml"):
+        azure = parser.add_argument_group("azureml target")
+        azure.add_argument("--subscription_id", help="Azure subscription id")
+        azure.add_argument("--resource_group", help="resource group of the workspace (default: the profile's)")
+        azure.add_argument("--workspace", help="Azure ML workspace name")
+        azure.add_argument("--compute", help="Azure ML compute cluster, or serverless (default: gpu-cluster; with "
+                                              "--spot, serverless compute on the Spot tier)")
+    if target in (None, "vertex"):
+        vertex = parser.add_argument_group("vertex target")
+        vertex.add_argument("--project", help="Google Cloud project (default: the profile's)")
+        vertex.add_argument("--region", help="Vertex AI region (default: the profile's)")
+        vertex.add_argument("--staging_bucket", help="gs:// bucket for outputs (metrics.jsonl under runs/)")
+    # A managed service runs no Kubernetes objects of ours: its script does not offer their flags.
+    add_spec_flags(parser, exclude=() if target in (None, "kubernetes") else KUBERNETES_ONLY)
     parser.set_defaults(func=run)
-    return parser
+
+
+# --identity stays: Azure ML runs the job as that managed identity, Vertex AI as that service account.
+KUBERNETES_ONLY = ("launcher", "namespace", "storage", "storage_claim", "rdma", "cluster_monitoring",
+                   "grace_period_s", "backoff_limit")
 
 
 def _require(ns: argparse.Namespace, *names: str) -> None:
@@ -104,6 +123,10 @@ def submit_azureml(spec: DeploySpec, ns: argparse.Namespace) -> int:
     from torchrec_cloud.deploy import azureml
 
     job = azureml.build_command_job(spec, compute=ns.compute)
+    if spec.spot and job.compute not in (None, azureml.SERVERLESS, f"azureml:{azureml.SERVERLESS}"):
+        print(f"torchrec-cloud submit: note: --spot on compute cluster {ns.compute}: Azure ML takes a job's priority "
+              "from its cluster, which must be a low-priority one (az ml compute create --tier low_priority)",
+              file=sys.stderr)
     if ns.dry_run:
         sys.stdout.write(azureml.dump_job(job))
         return 0
@@ -131,18 +154,26 @@ def submit_vertex(spec: DeploySpec, ns: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str]) -> int:
-    """``submit`` alone, without the other sub-commands' imports (the cloud scripts use it)."""
-    from torchrec_cloud.cli import OneLineParser
+def script_parser(target: str, prog: str, description: str) -> argparse.ArgumentParser:
+    """The parser of a cloud script that is ``submit --target TARGET``: its own name and
+    description in ``--help``, that target's flags only."""
+    from torchrec_cloud.cli import OneLineParser, plain
+
+    parser = OneLineParser(prog=prog, description=plain(description), formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_submit_flags(parser, target)
+    return parser
+
+
+def main(argv: list[str], target: str, prog: str, description: str) -> int:
+    """``submit --target TARGET`` alone, as the cloud scripts run it (:func:`script_parser`),
+    without the other sub-commands' imports."""
     from torchrec_cloud.config import ConfigError
 
-    parser = OneLineParser(prog="torchrec-cloud")
-    add_parser(parser.add_subparsers(dest="command", parser_class=OneLineParser))
-    ns = parser.parse_args(["submit", *argv])
+    ns = script_parser(target, prog, description).parse_args(argv)
     try:
         return ns.func(ns)
     except ConfigError as e:
-        print(f"torchrec-cloud submit: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -10,8 +10,15 @@ its node rank and node 0's address come from the
     print(type(job).to_json(job))                       # what would be submitted
     submit_job(job, project="my-project", location="us-central1")
 
-The job is an ``aiplatform_v1`` ``CustomJob`` message, built offline.
-``pip install 'torchrec-cloud[gcp]'`` brings google-cloud-aiplatform.
+The job is an ``aiplatform_v1`` ``CustomJob`` message, built offline, and refused here for
+what Vertex AI would refuse: an accelerator count other than the one an A2/A3 machine type
+comes with (the profile's ``fixed_gpus``), an output bucket that is not ``gs://``. The
+trainer writes its runs to ``/gcs/BUCKET/runs/NAME`` (Cloud Storage FUSE), and the job's
+``baseOutputDirectory`` is that same folder. ``--identity`` is the job's service account
+(its credentials reach the checkpoint bucket); a spot job (``Scheduling.Strategy.SPOT``)
+restarts as a whole when a worker does (``restart_job_on_worker_restart``: every node meets
+again and resumes from the last checkpoint) and checkpoints on a clock (deploy/managed.py).
+``pip install -e '.[gcp]'`` brings google-cloud-aiplatform.
 """
 
 from __future__ import annotations
@@ -24,8 +31,13 @@ import sys
 from typing import Any, Optional
 
 from torchrec_cloud.config import ConfigError
+from torchrec_cloud.deploy.managed import check_checkpoint_url, managed_service, with_spot_cadence
 from torchrec_cloud.deploy.manifests import build_context
+from torchrec_cloud.deploy.profiles import load_profile
 from torchrec_cloud.deploy.spec import DeploySpec, MissingExtraError
+
+# Where Vertex AI mounts Cloud Storage buckets in every replica (Cloud Storage FUSE).
+FUSE_ROOT = "/gcs/"
 
 
 def _types():
@@ -51,7 +63,8 @@ def rendezvous_env(cluster_spec: str) -> dict[str, str]:
     return {"NODE_RANK": str(offset + int(task["index"])), "MASTER_ADDR": chief_host, "MASTER_PORT": chief_port}
 
 
-def container_command(spec: DeploySpec, ctx: dict[str, Any], output_root: str) -> list[str]:
+def container_command(spec: DeploySpec, ctx: dict[str, Any], args: list[str]) -> list[str]:
+    """What each replica runs, training with ``args``."""
     launch = [
         "torchrec-cloud",
         "launch",
@@ -65,7 +78,7 @@ def container_command(spec: DeploySpec, ctx: dict[str, Any], output_root: str) -
         "-m",
         "torchrec_cloud",
         "train",
-        *spec.trainer_args(output_root, ctx["planned_args"]),
+        *args,
     ]
     # NODE_RANK (exported) tells the launcher whether this replica hosts the store.
     script = (
@@ -77,15 +90,36 @@ def container_command(spec: DeploySpec, ctx: dict[str, Any], output_root: str) -
     return ["/bin/bash", "-c", script]
 
 
+def _output_directory(args: list[str]) -> Optional[str]:
+    """The gs:// folder the trainer's --output_dir is, when it is on Cloud Storage FUSE."""
+    values = [b for a, b in zip(args, args[1:]) if a == "--output_dir"]
+    values += [a.split("=", 1)[1] for a in args if a.startswith("--output_dir=")]
+    last = values[-1] if values else ""
+    return "gs://" + last[len(FUSE_ROOT):] if last.startswith(FUSE_ROOT) else None
+
+
 def build_custom_job(spec: DeploySpec, staging_bucket: Optional[str] = None) -> Any:
     """An ``aiplatform_v1.types.CustomJob`` with the two worker pools."""
     types = _types()
+    service = managed_service(load_profile(spec.cloud))
+    check_checkpoint_url(spec, service)
+    if staging_bucket is not None and not staging_bucket.startswith("gs://"):
+        raise ConfigError("staging_bucket", f"must be a gs://BUCKET URL (Vertex AI's GcsDestination), got {staging_bucket!r}")
     spec = dataclasses.replace(spec, storage=False)  # Vertex AI reads gs:// through /gcs, not the GKE volume
     ctx = build_context(spec)
     instance = ctx["instance"]
     if instance is None or not instance.vertex_accelerator:
         raise ConfigError("instance_type", "Vertex AI needs an instance with a vertex_accelerator in the profile")
-    output_root = f"/gcs/{staging_bucket.removeprefix('gs://').rstrip('/')}/runs" if staging_bucket else "/workspace/runs"
+    if instance.fixed_gpus and spec.gpus_per_node != instance.gpus:
+        raise ConfigError(
+            "gpus_per_node",
+            f"{instance.name} comes with exactly {instance.gpus} GPUs (an A2/A3 machine type's count is fixed) and "
+            f"Vertex AI refuses acceleratorCount {spec.gpus_per_node}: pass --gpus_per_node {instance.gpus}, or an "
+            f"--instance_type with {spec.gpus_per_node} GPUs",
+        )
+    bucket = staging_bucket.removeprefix("gs://").rstrip("/") if staging_bucket else None
+    output_root = f"{FUSE_ROOT}{bucket}/runs" if bucket else "/workspace/runs"
+    args = with_spot_cadence(spec, service, spec.trainer_args(output_root, ctx["planned_args"]))
     machine = types.MachineSpec(
         machine_type=instance.name,
         accelerator_type=instance.vertex_accelerator,
@@ -93,17 +127,21 @@ def build_custom_job(spec: DeploySpec, staging_bucket: Optional[str] = None) -> 
     )
     container = types.ContainerSpec(
         image_uri=spec.image,
-        command=container_command(spec, ctx, output_root),
+        command=container_command(spec, ctx, args),
         env=[types.EnvVar(name=e["name"], value=e["value"]) for e in ctx["env"]],
     )
     pools = [types.WorkerPoolSpec(machine_spec=machine, replica_count=1, container_spec=container)]
     if spec.nodes > 1:
         pools.append(types.WorkerPoolSpec(machine_spec=machine, replica_count=spec.nodes - 1, container_spec=container))
     job_spec = types.CustomJobSpec(worker_pool_specs=pools)
-    if staging_bucket:
-        job_spec.base_output_directory = types.GcsDestination(output_uri_prefix=f"{staging_bucket.rstrip('/')}/{spec.name}")
+    output = _output_directory(args)
+    if output:
+        job_spec.base_output_directory = types.GcsDestination(output_uri_prefix=output)
+    if spec.identity:
+        job_spec.service_account = spec.identity
     if spec.spot:
-        job_spec.scheduling = types.Scheduling(strategy=types.Scheduling.Strategy.SPOT)
+        job_spec.scheduling = types.Scheduling(strategy=types.Scheduling.Strategy.SPOT,
+                                               restart_job_on_worker_restart=True)
     return types.CustomJob(display_name=spec.name, job_spec=job_spec)
 
 

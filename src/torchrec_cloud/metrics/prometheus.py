@@ -66,7 +66,7 @@ class PrometheusSink(MetricsSink):
         self,
         port: int,
         *,
-        host: str = "0.0.0.0",
+        host: str = "127.0.0.1",
         rank: int = 0,
         local_rank: int = 0,
         system_metrics_interval: float = 5.0,

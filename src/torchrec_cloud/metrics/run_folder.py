@@ -36,12 +36,14 @@ def last_run(folder: Path) -> Optional[tuple[dict[str, Any], Optional[dict[str, 
     path = folder / METRICS_FILE
     if not path.is_file():
         return None
+    from torchrec_cloud.untrusted import capped_lines
+
     start, end = None, None
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
+    with open(path, "rb") as f:
+        for line in capped_lines(f):  # a folder from elsewhere may hold a file without newlines
             try:
-                record = json.loads(line)
-            except ValueError:
+                record = json.loads(line.decode("utf-8", errors="replace")) if line is not None else None
+            except (ValueError, RecursionError):
                 continue  # a line cut short by a kill
             if not isinstance(record, dict):
                 continue

@@ -13,8 +13,10 @@ A model directory (a local folder or a bucket URL)::
     scorer.pt           TorchScript: (dense [B, 13] float, ids [B, 26] int64) -> probabilities [B]
     weights.pt          the unsharded float32 state dict of TorchRec's DLRMTrain
                         (torch.save; load with torch.load(..., weights_only=True))
+    vocab/NAME.json     a schema's dataset only: the vocabularies scoring raw rows needs
     model_config.json   written last: format, model config, feature spec, source checkpoint,
-                        quantization and what it costs in AUC
+                        quantization and what it costs in AUC; for a schema's dataset its
+                        schema and transforms (table sizes, vocabulary files, dense statistics)
 
 See docs/serving.md.
 """
@@ -29,6 +31,7 @@ from typing import Any, Callable
 from torchrec_cloud import storage
 from torchrec_cloud.config import ConfigError, DataConfig, JobConfig, ModelConfig
 from torchrec_cloud.errors import CommandError
+from torchrec_cloud.untrusted import MAX_FILE_BYTES, Fields, UntrustedInputError, integer, read_json, shown, text
 
 MODEL_FORMAT = "torchrec-cloud-model"
 MODEL_VERSION = 1
@@ -41,22 +44,64 @@ class ServingError(CommandError, RuntimeError):
     """A checkpoint, model directory or dataset that export or predict cannot use."""
 
 
+CONFIG_MAX_BYTES = 16 << 20
+
+
 def read_model_config(model_dir: str) -> dict[str, Any]:
-    """The ``model_config.json`` of an exported model, checked to be one this version reads."""
+    """The ``model_config.json`` of an exported model, checked to be one this version reads,
+    field by field (:func:`check_model_config`)."""
     path = storage.join(model_dir, CONFIG_FILE)
     try:
-        config = json.loads(storage.read_bytes(path))
+        config = read_json(path, CONFIG_MAX_BYTES)
     except storage.StorageNotFoundError:
         raise ServingError(f"{path} not found: not a model directory (make one with `torchrec-cloud export`)") from None
-    except ValueError as e:
-        raise ServingError(f"{path} is not valid JSON ({e})") from None
+    except UntrustedInputError as e:
+        raise ServingError(str(e)) from None
     if not isinstance(config, dict) or config.get("format") != MODEL_FORMAT:
         raise ServingError(f"{path} is not a {MODEL_FORMAT} config")
     if config.get("version") != MODEL_VERSION:
         raise ServingError(
-            f"{path} is a {MODEL_FORMAT} v{config.get('version')}; this torchrec-cloud reads "
+            f"{path} is a {MODEL_FORMAT} v{shown(config.get('version'))}; this torchrec-cloud reads "
             f"v{MODEL_VERSION}: export the checkpoint again with this version"
         )
+    try:
+        return check_model_config(config, path)
+    except UntrustedInputError as e:
+        raise ServingError(str(e)) from None
+
+
+def check_model_config(config: dict[str, Any], path: str) -> dict[str, Any]:
+    """``config`` if the fields predict reads have the types and ranges ``export`` writes: the
+    model's sizes, the data transform, the quantization, and the files with their sizes (the
+    scorer is read no further than its recorded size); an UntrustedInputError otherwise."""
+    doc = Fields(config, path)
+    model = doc.obj("model")
+    model.text("interaction", choices=("dot", "dcn", "projection"))
+    for key in ("num_dense_features", "num_sparse_features", "embedding_dim", "dcn_num_layers", "dcn_low_rank_dim"):
+        model.int(key, lo=1, hi=1 << 20, optional=key.startswith("dcn"))
+    model.int("num_embeddings", lo=1)
+    model.ints("num_embeddings_per_feature", 1 << 20, lo=1, optional=True)
+    for i, name in enumerate(model.list("feature_names", 1 << 20, optional=True) or []):
+        text(name, path, f"model.feature_names[{i}]", max_len=64)
+    for i, pooling in enumerate(model.list("pooling", 1 << 20, optional=True) or []):
+        text(pooling, path, f"model.pooling[{i}]", choices=("sum", "mean"))
+    for key in ("dense_arch_layer_sizes", "over_arch_layer_sizes", "interaction_branch1_layer_sizes",
+                "interaction_branch2_layer_sizes"):  # fmt: skip
+        model.ints(key, 64, lo=1, hi=1 << 20, optional=key.startswith("interaction"))
+    data = doc.obj("data", optional=True)
+    if data is not None:
+        data.text("dense_transform", choices=("torchrec", "log1p"), optional=True)
+        data.ints("multi_hot_sizes", 1 << 20, lo=1, hi=1 << 16, optional=True)
+        data.text("multi_hot_pooling", choices=("fixed", "random"), optional=True)
+        data.int("seed", hi=2**64, optional=True)
+    from torchrec_cloud.serving.scorer import QUANTIZE
+
+    doc.text("quantize", choices=QUANTIZE)
+    for name, size in doc.mapping("files", 2).items():
+        text(name, path, "files", choices=(SCORER_FILE, WEIGHTS_FILE))
+        integer(size, path, f"files.{name}", hi=MAX_FILE_BYTES)
+    if SCORER_FILE not in config["files"]:
+        raise UntrustedInputError(path, "files", f"does not list {SCORER_FILE}")
     return config
 
 
@@ -80,7 +125,16 @@ def add_command(
     subparsers: argparse._SubParsersAction, name: str, summary: str, doc: str, run: Callable[[argparse.Namespace], int]
 ) -> argparse.ArgumentParser:
     """The parser of ``torchrec-cloud NAME``, running ``run``. A checkpoint, model or dataset it
-    cannot use raises a ServingError (a CommandError): ``cli.main`` prints it as one line, exit 1."""
-    parser = subparsers.add_parser(name, help=summary, description=doc.split("\n\n")[0])
-    parser.set_defaults(func=run)
+    cannot use raises a ServingError (a CommandError): ``cli.main`` prints it as one line, exit 1
+    (a bad flag: ConfigError, exit 2)."""
+
+    def main(ns: argparse.Namespace) -> int:
+        from torchrec_cloud.train import quiet_library_warnings
+
+        quiet_library_warnings()  # torch.fx's is_fx_tracing notice, TorchRec's internals: nothing to act on
+        return run(ns)
+
+    parser = subparsers.add_parser(name, help=summary, description=doc,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.set_defaults(func=main)
     return parser

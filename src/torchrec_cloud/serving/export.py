@@ -4,7 +4,8 @@ directory that serves (layout in :mod:`torchrec_cloud.serving`)::
     torchrec-cloud export runs/q/checkpoints --output models/q
     torchrec-cloud export s3://bucket/runs/q/checkpoints/step_00002000 --output s3://bucket/models/q --quantize int8
 
-CHECKPOINT is one checkpoint or a folder of them (its newest complete one, as resume picks).
+CHECKPOINT is one checkpoint, a folder of them (its newest complete one, as resume picks), or
+a run folder (the ``--output_dir``: the checkpoints its run wrote), as ``checkpoint ls`` takes.
 A checkpoint of any world size is read whole on this one process, without a process group:
 DCP's index says where every shard of every table lives, so the tables are gathered from
 the ranks' files as they were saved.
@@ -26,9 +27,9 @@ from typing import Any, Optional
 
 import torch
 
-from torchrec_cloud import storage
-from torchrec_cloud.checkpoint.dcp import load_full_state
-from torchrec_cloud.checkpoint.store import COMMIT_FILE, CheckpointInfo, resolve
+from torchrec_cloud import counted, storage
+from torchrec_cloud.checkpoint.dcp import load_full_state, read_metadata
+from torchrec_cloud.checkpoint.store import COMMIT_FILE, CheckpointDamagedError, CheckpointInfo, lease, resolve
 from torchrec_cloud.config import ConfigError, JobConfig, ModelConfig
 from torchrec_cloud.serving import (
     CONFIG_FILE,
@@ -59,10 +60,39 @@ def job_config(info: CheckpointInfo) -> JobConfig:
     return saved_job_config((info.commit or {}).get("config") or {}, f"{info.path}/{COMMIT_FILE}")
 
 
+def check_holds_model(info: CheckpointInfo, cfg: JobConfig) -> None:
+    """The checkpoint's index (``.metadata``, checked against its files) holds every weight of
+    the model its COMMIT.json describes, with the same shape: a ServingError otherwise, before
+    anything is allocated (a COMMIT.json may describe any model; the index's tensors are
+    bounded by the checkpoint's bytes). The model is built on the meta device to compare."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from torchrec_cloud.model import build_model
+
+    try:
+        index = read_metadata(info.path, info.commit).state_dict_metadata
+    except CheckpointDamagedError as e:
+        raise ServingError(f"cannot read checkpoint {info.path}: {e.file}: {e.detail}") from None
+    saved = {k[len(MODEL_PREFIX) :]: tuple(md.size) for k, md in index.items()
+             if k.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata)}  # fmt: skip
+    tables = sum(".embedding_bags." in k for k in saved)
+    if cfg.model.num_sparse_features != tables:
+        raise ServingError(f"{info.path} does not hold the model its {COMMIT_FILE} describes "
+                           f"({cfg.model.num_sparse_features} tables; it holds {tables})")  # fmt: skip
+    with torch.device("meta"):
+        expected = build_model(cfg.model, dense_device=torch.device("meta")).state_dict()
+    missing = sorted(set(expected) - set(saved))
+    wrong = [k for k in expected if k in saved and tuple(expected[k].shape) != saved[k]]
+    if missing or wrong:
+        what = f"missing {missing[0]}" if missing else f"{wrong[0]} has shape {saved[wrong[0]]}"
+        raise ServingError(f"{info.path} does not hold the model its {COMMIT_FILE} describes ({what})")
+
+
 def unsharded_model(info: CheckpointInfo, cfg: JobConfig) -> torch.nn.Module:
     """TorchRec's DLRMTrain on this process's CPU, with every table whole, from the checkpoint."""
     from torchrec_cloud.model import build_model
 
+    check_holds_model(info, cfg)
     try:
         state = load_full_state(info.path)
     except (storage.StorageError, KeyboardInterrupt, SystemExit):
@@ -71,13 +101,7 @@ def unsharded_model(info: CheckpointInfo, cfg: JobConfig) -> torch.nn.Module:
         raise ServingError(f"cannot read checkpoint {info.path}: {_first_line(e)}") from None
     weights = {k[len(MODEL_PREFIX) :]: v for k, v in state.items() if k.startswith(MODEL_PREFIX)}
     model = build_model(cfg.model, dense_device=torch.device("cpu"))
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(weights))
-    wrong = [k for k in expected if k in weights and tuple(weights[k].shape) != tuple(expected[k].shape)]
-    if missing or wrong:
-        what = f"missing {missing[0]}" if missing else f"{wrong[0]} has shape {tuple(weights[wrong[0]].shape)}"
-        raise ServingError(f"{info.path} does not hold the model its COMMIT.json describes ({what})")
-    model.load_state_dict({k: weights[k] for k in expected}, assign=True)
+    model.load_state_dict({k: weights[k] for k in model.state_dict()}, assign=True)
     return model.eval()
 
 
@@ -169,7 +193,11 @@ def export(
     cfg = job_config(info)
     if dataset_path is not None:
         cfg.data.dataset_path = dataset_path
-    model = unsharded_model(info, cfg)
+    with lease(info.path, "export") as held:  # a training job's retention leaves it alone meanwhile
+        if not held:
+            print(f"torchrec-cloud export: note: no read lease placed in {info.path} (not writable): a training "
+                  "job's retention could delete it while it is read", file=sys.stderr)  # fmt: skip
+        model = unsharded_model(info, cfg)
     fp32 = scorer_of(model, "none")
     check_against_torchrec(model, fp32, cfg.model)
     scorer = fp32 if quantize == "none" else scorer_of(model, quantize)
@@ -226,27 +254,20 @@ def dataset_transforms(cfg: JobConfig) -> tuple[dict[str, Any], dict[str, bytes]
     path = cfg.data.dataset_path
     if path is None:
         return {}, {}
-    from torchrec_cloud import checksum, trust
-    from torchrec_cloud.data.dataset import is_schema_dataset, load_dataset
-    from torchrec_cloud.data.dataset import read_manifest
+    from torchrec_cloud.data.dataset import is_schema_dataset, load_dataset, read_manifest, vocabulary_bytes
+    from torchrec_cloud.untrusted import UntrustedInputError
 
     try:
         manifest = read_manifest(path)
         if not is_schema_dataset(manifest):
             return {}, {}
         ds = load_dataset(path, manifest, check_files=False)
-    except (ConfigError, trust.TrustError, storage.StorageError) as e:
+    except (ConfigError, UntrustedInputError, storage.StorageError) as e:
         raise ServingError(f"the model's transforms come from its dataset's manifest, and {_first_line(e)} "
                            "(give the dataset's folder with --dataset_path)") from None  # fmt: skip
     if ds.table_sizes != cfg.model.table_sizes:
         raise ServingError(f"{path} has tables of {ds.table_sizes} rows, the checkpoint {cfg.model.table_sizes}: not its dataset")
-    files = {}
-    for name, entry in ds.vocab_files.items():
-        url = storage.join(path, *entry["path"].split("/"))
-        data = trust.read_capped(url, trust.MAX_VOCAB_BYTES, entry["bytes"])
-        if checksum.digest(data) != entry[checksum.ALGORITHM]:
-            raise ServingError(f"{url}: its bytes differ from when it was written ({checksum.ALGORITHM} checksum mismatch)")
-        files[entry["path"]] = data
+    files = vocabulary_bytes(path, ds.vocab_files)  # sizes and checksums as the manifest records them
     return {"schema": manifest["schema"], "transforms": manifest["transforms"]}, files
 
 
@@ -257,7 +278,7 @@ def _mib(n: int) -> str:
 def _report(config: dict[str, Any], output: str, log) -> None:
     ck = config["checkpoint"]
     log(
-        f"exported {ck['path']} (step {ck['step']}, {ck['world_size']} ranks) to {output} in "
+        f"exported {ck['path']} (step {ck['step']}, {counted(ck['world_size'], 'rank')}) to {output} in "
         f"{config['seconds']:.1f}s: {SCORER_FILE} {_mib(config['files'][SCORER_FILE])} "
         f"(tables {config['quantize']}), {WEIGHTS_FILE} {_mib(config['files'][WEIGHTS_FILE])}"
     )
@@ -278,7 +299,7 @@ def _report(config: dict[str, Any], output: str, log) -> None:
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     summary = "export a training checkpoint to a model directory that serves (TorchScript + weights)"
     parser = add_command(subparsers, "export", summary, __doc__, _main)
-    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint, or a folder of them (its newest)")
+    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint, a folder of them (its newest complete one) or a run folder")
     parser.add_argument("--output", required=True, metavar="DIR", help="the model directory to write (folder or URL)")
     parser.add_argument(
         "--quantize", choices=QUANTIZE, default="none", help="store the scoring module's tables as fp16 or row-wise int8"

@@ -33,6 +33,7 @@ import torch
 from torchrec_cloud import storage
 from torchrec_cloud.config import ConfigError, JobConfig
 from torchrec_cloud.errors import CommandError
+from torchrec_cloud.untrusted import UntrustedInputError, read_capped
 from torchrec_cloud.serving import (
     CONFIG_FILE,
     SCORER_FILE,
@@ -45,9 +46,10 @@ from torchrec_cloud.serving import (
 SPLITS = ("val", "test", "all")
 
 
-def eval_source(cfg: JobConfig, batch_size: int):
+def eval_source(cfg: JobConfig, batch_size: int, split: str = "val"):
     """A one-process reader of ``cfg``'s held-out data: its ``--dataset_path`` shards, or,
-    without one, its synthetic data (the same rows training evaluated on)."""
+    without one, its synthetic data (the same rows training evaluated on). Only ``split``
+    (``all``: every split) must have rows."""
     cfg.data.batch_size = batch_size
     if cfg.data.dataset_path is None:
         from torchrec_cloud.data.synthetic import SyntheticSource
@@ -57,6 +59,7 @@ def eval_source(cfg: JobConfig, batch_size: int):
     from torchrec_cloud.data.dataset import is_schema_dataset, load_dataset, read_manifest
     from torchrec_cloud.data.reader import SchemaSource
 
+    needed = ("train", "val", "test") if split == "all" else (split,)
     if is_file(cfg.data.dataset_path):
         return CriteoTSV(cfg.data.dataset_path, batch_size=batch_size, table_sizes=cfg.model.table_sizes,
                          dense_transform=cfg.data.dense_transform, multi_hot_sizes=cfg.data.multi_hot_sizes,
@@ -68,12 +71,12 @@ def eval_source(cfg: JobConfig, batch_size: int):
             ds = load_dataset(cfg.data.dataset_path, manifest)
             if ds.table_sizes != cfg.model.table_sizes or [f.name for f in ds.schema.sparse] != cfg.model.sparse_names:
                 raise ServingError(f"{cfg.data.dataset_path} does not fit the model: its features or tables differ")
-            return SchemaSource(ds, batch_size=batch_size, rank=0, world_size=1)
+            return SchemaSource(ds, batch_size=batch_size, rank=0, world_size=1, splits=needed)
         load_manifest(cfg.data.dataset_path)
     except ConfigError as e:
         raise ServingError(str(e).split(": ", 1)[-1]) from None
     try:
-        return build_criteo_source(cfg, 0, 1)
+        return build_criteo_source(cfg, 0, 1, splits=needed)
     except ConfigError as e:
         if e.flag == "batch_size":
             raise
@@ -148,9 +151,16 @@ def score(
     return [torch.cat(p) for p in parts], torch.cat(labels), time.perf_counter() - start
 
 
-def load_scorer(model_dir: str) -> torch.jit.ScriptModule:
+def load_scorer(model_dir: str, size: int) -> torch.jit.ScriptModule:
+    """The model folder's TorchScript scorer, read no further than the ``size`` its
+    model_config.json records (the folder must be trusted: a TorchScript file is code)."""
     path = storage.join(model_dir, SCORER_FILE)
-    data = storage.read_bytes(path)
+    try:
+        data = read_capped(path, size)
+    except UntrustedInputError as e:
+        raise ServingError(f"{e}; its {CONFIG_FILE} says {size} bytes: export again") from None
+    if len(data) != size:
+        raise ServingError(f"{path} has {len(data)} bytes; its {CONFIG_FILE} says {size}: export again")
     try:
         return torch.jit.load(io.BytesIO(data), map_location="cpu")
     except Exception as e:  # noqa: BLE001 - a damaged archive fails in many ways
@@ -176,14 +186,14 @@ def predict(
         raise ConfigError("split", f"expected one of {', '.join(SPLITS)}, got {split!r}")
     config = read_model_config(model_dir)
     cfg = saved_job_config(config, storage.join(model_dir, CONFIG_FILE))
-    scorer = load_scorer(model_dir)
+    scorer = load_scorer(model_dir, config["files"][SCORER_FILE])
     labelled = True
     if input is not None and "transforms" in config:
         source = RawRows(config, model_dir, input, batch_size, cfg)
         labelled, split = source.labelled, "file"
     else:
         cfg.data.dataset_path = input if input is not None else dataset_path
-        source = eval_source(cfg, batch_size)
+        source = eval_source(cfg, batch_size, split)
     if isinstance(source, CriteoTSV):
         split = "file"
     (logits,), labels, seconds = score([scorer], split_batches(source, split), None, progress, split_rows(source, split))
@@ -212,7 +222,6 @@ class RawRows:
     with FILE:LINE and the column; rows without the label column are scored unlabelled."""
 
     def __init__(self, config: dict[str, Any], model_dir: str, path: str, batch_size: int, cfg: JobConfig) -> None:
-        from torchrec_cloud import trust
         from torchrec_cloud.data.dataset import check_transforms, read_vocabularies
         from torchrec_cloud.data.schema import parse_schema
         from torchrec_cloud.data.tabular import Input
@@ -222,8 +231,8 @@ class RawRows:
         schema = parse_schema(config.get("schema"), f"{where} (schema)")
         spec = check_transforms(config.get("transforms"), schema, where, "transforms")
         if spec["table_sizes"] != cfg.model.table_sizes:
-            raise trust.TrustError(where, "transforms.table_sizes",
-                                   f"{spec['table_sizes']} differ from the model's tables {cfg.model.table_sizes}")  # fmt: skip
+            raise UntrustedInputError(where, "transforms.table_sizes",
+                                      f"{spec['table_sizes']} differ from the model's tables {cfg.model.table_sizes}")  # fmt: skip
         self.transforms = Transforms(schema, read_vocabularies(model_dir, spec["vocab"], where), spec["dense_stats"])
         self.path, self.batch_size = path, batch_size
         probe = Input(path, schema, columns=[])
