@@ -11,9 +11,12 @@ DataSource`` builds the source each rank reads; the model's shape comes from the
 
 The protocol (``torchrec_cloud.data.DataSource``): ``num_train_batches()``, the same on every
 rank; ``train_batches(epoch, start_batch)``, this rank's batches of an epoch from
-``start_batch`` on (a resumed run asks for the rest of its epoch); ``eval_batches(split)``,
-``(batch, valid_rows)`` of ``val`` and ``test``, the same count on every rank (pad with
-``valid_rows`` 0). Optional: ``facts()``, what the run's start record says about the data.
+``start_batch`` on (a resumed run asks for the rest of its epoch); ``eval_batches(split,
+rows=None)``, ``(batch, valid_rows)`` of ``val`` and ``test`` (with ``rows``, a sample of
+that many: ``--eval_rows``, the same rows every time), the same count on every rank (pad
+with ``valid_rows`` 0); ``num_eval_rows(split)``, the rows of a whole split. Build a batch's
+sparse features with ``torchrec_cloud.data.keyed_jagged_tensor`` (their per-feature counts on
+the host). Optional: ``facts()``, what the run's start record says about the data.
 
 Here the rows are made up in memory (``--num_batches_per_epoch`` batches per rank to train
 on, a tenth as many rows per held-out split; a label that depends on the features, so the
@@ -23,14 +26,13 @@ code at all: ``torchrec-cloud data schema`` and ``data preprocess --schema`` (do
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
 from torchrec.datasets.utils import Batch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_cloud.data import DataSource
+from torchrec_cloud.data import DataSource, keyed_jagged_tensor
 
 
 class ArraySource(DataSource):
@@ -57,29 +59,26 @@ class ArraySource(DataSource):
             rows = order[k : k + self.batch_size]
             yield self._batch(dense[rows], ids[rows], labels[rows])
 
-    def eval_batches(self, split: str) -> Iterator[tuple[Batch, int]]:
+    def num_eval_rows(self, split: str) -> int:
+        return len(self.splits[split][2])
+
+    def eval_batches(self, split: str, rows: Optional[int] = None) -> Iterator[tuple[Batch, int]]:
         dense, ids, labels = self.splits[split]
+        n = len(labels) if rows is None else min(rows, len(labels))  # a sample: the first rows
         b, w = self.batch_size, self.world_size
-        steps = -(-len(labels) // (b * w))  # every rank yields this many
+        steps = -(-n // (b * w))  # every rank yields this many
         for s in range(steps):
             lo = (s * w + self.rank) * b
-            rows = np.arange(lo, min(lo + b, len(labels)))
-            valid = len(rows)
-            rows = np.concatenate([rows, np.zeros(b - valid, np.int64)])  # padding rows, not counted
-            yield self._batch(dense[rows], ids[rows], labels[rows]), valid
+            index = np.arange(lo, max(lo, min(lo + b, n)))
+            valid = len(index)
+            index = np.concatenate([index, np.zeros(b - valid, np.int64)])  # padding rows, not counted
+            yield self._batch(dense[index], ids[index], labels[index]), valid
 
     def _batch(self, dense: np.ndarray, ids: np.ndarray, labels: np.ndarray) -> Batch:
         b, f = ids.shape
-        # One id per (feature, row); feature-major, as a KeyedJaggedTensor lays them out. The
-        # per-key counts are given from the host so TorchRec does not read them back from a GPU.
-        sparse = KeyedJaggedTensor(
-            keys=self.keys,
-            values=torch.from_numpy(np.ascontiguousarray(ids.T).reshape(-1)),
-            lengths=torch.ones(b * f, dtype=torch.int32),
-            stride=b,
-            length_per_key=[b] * f,
-            offset_per_key=[b * k for k in range(f + 1)],
-        )
+        # One id per (feature, row); feature-major, as a KeyedJaggedTensor lays them out.
+        sparse = keyed_jagged_tensor(self.keys, torch.from_numpy(np.ascontiguousarray(ids.T).reshape(-1)),
+                                     torch.ones(b * f, dtype=torch.int32), b)  # fmt: skip
         return Batch(dense_features=torch.from_numpy(dense), sparse_features=sparse,
                      labels=torch.from_numpy(labels))  # fmt: skip
 

@@ -43,6 +43,9 @@ def main() -> None:
     out["mean"] = comm.mean(torch.tensor(float(rank + 1)))
     out["max"] = comm.max_value(float(rank * 10))
     out["gathered"] = comm.gather_1d(torch.arange(rank + 2, dtype=torch.float32) + 100 * rank).tolist()
+    out["sum"] = comm.all_sum(torch.tensor([rank + 1, 2**40], dtype=torch.int64)).tolist()
+    rows = torch.arange(6, dtype=torch.float64).view(3, 2) + 10 * rank  # 3 rows of 2: 1 to rank 0, 2 to rank 1
+    out["exchanged"] = comm.all_to_all_rows(rows, [1, 2]).tolist()
     out["objects"] = comm.all_gather_object({"rank": rank})
     out["broadcast"] = comm.broadcast_object(f"from {rank}", src=1)
     comm.barrier()
@@ -58,6 +61,23 @@ def main() -> None:
     out["after_sigterm"] = list(agreed_batches(iter(range(4)), 4, _Window(), preempted))
     out["stopped"] = preempted.stop
     preempted.close()
+
+    # Evaluation's metrics over both ranks' rows, never gathered: scores with many ties,
+    # within a rank and across the two.
+    from torchmetrics.functional.classification import binary_auroc
+
+    from torchrec_cloud.evaluation import _by_score_range, _score_counts, binary_metrics
+
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randint(0, 40, (2, 500), generator=g).double() / 8
+    labels = (torch.rand(2, 500, generator=g, dtype=torch.float64) < torch.sigmoid(logits - 2.5)).double()
+    across = binary_metrics(logits[rank], labels[rank], across_ranks=True)
+    whole = binary_metrics(logits.view(-1), labels.view(-1))
+    out["across"], out["whole"] = across, whole
+    out["torchmetrics_auc"] = float(binary_auroc(torch.sigmoid(logits.view(-1)), labels.view(-1).long()))
+    held, _, _ = _by_score_range(*_score_counts(logits[rank], labels[rank] > 0.5))
+    out["held"] = held.tolist()
+    out["distinct"] = len(torch.unique(logits))
 
     window.add(torch.tensor(float(rank + 1)), 8)
     out["train_loss"] = window.record(3, 0, env, 0.1)["loss"]

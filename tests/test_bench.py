@@ -97,3 +97,6 @@ def test_bench_worker_runs_in_bf16():
     assert proc.returncode == 0, explain(proc)
     result = json.loads(proc.stdout.strip().splitlines()[-1][len("BENCH "):])
     assert result["precision"] == "bf16" and result["samples_per_s"] > 0
+    # A batch of its own for each of the 1 + 2 steps (and the pipeline's look-ahead), as
+    # training reads them: a few cycled batches would keep a UVM-cached table's ids cached.
+    assert result["batches"] == 1 + 2 + 4

@@ -397,6 +397,39 @@ def test_eval_covers_every_row_exactly_once(numbered, world_size):
         assert sorted(seen) == list(range(lo, hi))
 
 
+def test_an_eval_sample_is_fixed_spread_and_the_same_on_any_number_of_ranks(numbered, monkeypatch):
+    from torchrec_cloud.data import shards
+
+    monkeypatch.setattr(shards, "SAMPLE_BLOCK_ROWS", 50)  # 300 rows: 6 blocks of 50 (every layout's reader)
+    picked = {}
+    for world_size in (1, 2, 3):
+        srcs = [CriteoSource(numbered, batch_size=100, rank=r, world_size=world_size, table_sizes=BIG,
+                             window_rows=200) for r in range(world_size)]  # fmt: skip
+        assert {s.num_eval_rows("val") for s in srcs} == {716}
+        outputs = [list(s.eval_batches("val", 300)) for s in srcs]
+        assert len({len(o) for o in outputs}) == 1  # same number of items on every rank
+        picked[world_size] = sorted(x for o in outputs for b, n in o for x in _row_ids(b)[:n].tolist())
+    assert len(picked[1]) == 300 and picked[1] == picked[2] == picked[3]
+    # Spread over the split, not its first rows (a day's log read in order is in time order).
+    starts = [TRAIN_ROWS + 716 * k // 6 for k in range(6)]  # the split's sixths
+    assert picked[1] == [x for s in starts for x in range(s, s + 50)]
+    src = CriteoSource(numbered, batch_size=100, rank=0, world_size=1, table_sizes=BIG)
+    whole = [x for b, n in src.eval_batches("val", 5000) for x in _row_ids(b)[:n].tolist()]
+    assert whole == list(range(TRAIN_ROWS, TRAIN_ROWS + 716))
+
+
+@pytest.mark.parametrize("multi_hot", [None, [2] * 13 + [1] * 13], ids=["one-hot", "multi-hot"])
+def test_batches_carry_their_feature_counts(numbered, multi_hot):
+    # Counted on the host: TorchRec's input dist would otherwise sum them on the GPU and copy
+    # them back, a blocking copy per batch (data.keyed_jagged_tensor).
+    src = CriteoSource(numbered, batch_size=64, rank=0, world_size=1, table_sizes=BIG, multi_hot_sizes=multi_hot)
+    for batch in (next(src.train_batches(0)), next(src.eval_batches("val"))[0]):
+        kjt = batch.sparse_features
+        counts = kjt.lengths().view(26, 64).sum(1).tolist()
+        assert kjt.length_per_key_or_none() == counts
+        assert kjt.offset_per_key_or_none() == np.concatenate([[0], np.cumsum(counts)]).tolist()
+
+
 def test_reader_errors_name_the_problem(tmp_path, numbered):
     with pytest.raises(ConfigError, match="manifest.json not found.*data preprocess"):
         CriteoSource(str(tmp_path), batch_size=10, rank=0, world_size=1, table_sizes=[10] * 26)

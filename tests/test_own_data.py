@@ -105,6 +105,8 @@ def test_preprocessing_keeps_every_row_its_lists_and_its_split(trained):
     # its lengths) and recent items, and a missing price as log1p(0).
     source = SchemaSource(ds, batch_size=50, rank=0, world_size=1)
     batch, valid = next(source.eval_batches("test"))
+    kjt = batch.sparse_features  # ids per feature counted on the host (data.keyed_jagged_tensor)
+    assert kjt.length_per_key_or_none() == kjt.lengths().view(len(kjt.keys()), -1).sum(dim=1).tolist()
     tags = batch.sparse_features["tags"]
     lengths = tags.lengths().tolist()
     assert lengths == [len(t) for t in day3["tags"][:50]]

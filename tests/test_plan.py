@@ -56,7 +56,7 @@ def test_two_p4d_nodes_hold_every_table_in_gpu_memory(capsys):
     code, lines, report, _ = plan_cli(capsys, *args)
     assert code == 0, lines
     assert report["fits"] and report["world_size"] == 16 and report["gpus_per_node"] == 8
-    assert report["hbm_cap_bytes"] == 40 * GIB  # the profile's A100 40GB
+    assert report["hbm_cap_bytes"] == int(39.39 * GIB)  # the profile's A100 40GB, as CUDA reports it
     assert {t["compute_kernel"] for t in report["tables"]} == {"fused"}
     assert {r for t in report["tables"] for r in t["ranks"]} == set(range(16))
     assert [r["rank"] for r in report["per_rank"]] == list(range(16))

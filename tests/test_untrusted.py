@@ -122,8 +122,12 @@ def test_a_metadata_that_runs_code_when_unpickled_is_never_unpickled(work, tmp_p
 
 
 def test_a_non_tensor_entry_that_runs_code_when_loaded_is_never_run(work, tmp_path, capsys):
-    """DCP saves non-tensor values (the RNG states) with torch.save and loads them with
-    torch.load(weights_only=False); this one is an RNG entry rewritten in place."""
+    """DCP saves non-tensor values with torch.save and loads them with
+    torch.load(weights_only=False). Our checkpoints hold none (the RNG states are tensors), but
+    an older one's pickled generators, or a crafted .metadata, can declare one: this one is the
+    Python generator's entry rewritten as such, in place."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
     folder = checkpoint_copy(work, tmp_path)
     marker = tmp_path / "ran"
     metadata = pickle.loads((folder / ".metadata").read_bytes())
@@ -134,7 +138,14 @@ def test_a_non_tensor_entry_that_runs_code_when_loaded_is_never_run(work, tmp_pa
     with open(folder / info.relative_path, "r+b") as f:
         f.seek(info.offset)
         f.write(payload.read_bytes())
-    edit_metadata(folder, lambda md: setattr(md.storage_data[index], "length", payload.stat().st_size))
+
+    def as_pickled_entry(md) -> None:
+        md.state_dict_metadata["rng.rank_0.python"] = BytesStorageMetadata()
+        entry = md.storage_data.pop(index)
+        entry.length = payload.stat().st_size
+        md.storage_data[MetadataIndex("rng.rank_0.python")] = entry
+
+    edit_metadata(folder, as_pickled_entry)
     said = "rng.rank_0.python of"
     cli_error(capsys, 1, ["export", str(folder), "--output", str(tmp_path / "model")], said, "does not load as data")
     assert not marker.exists()

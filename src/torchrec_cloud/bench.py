@@ -102,19 +102,18 @@ def worker_ours(cfg, steps: int, warmup: int, precision: str = "fp32", profile: 
     torch.manual_seed(env.rank)
     trainer = build(cfg, env)
     pipeline = trainer.pipeline  # the schedule is not stepped: the rate stays at its first step's
-    batches = _batches(cfg, env.rank, env.world_size, 16)
+    profile_steps = 5 if profile else 0
+    # A batch of its own for every step, as training reads them: the ids of a few batches
+    # cycled would all sit in a UVM-cached table's cache, and its figures would be a cache's
+    # that never misses. Made before the clock starts; a few more than are stepped, so the
+    # pipeline's look-ahead never runs dry.
+    batches = _batches(cfg, env.rank, env.world_size, warmup + steps + profile_steps + 4)
     on_gpu = env.device.type == "cuda"
     if on_gpu:  # as a DataLoader with pin_memory=True hands them over: copies overlap compute
         batches = [b.pin_memory() for b in batches]
     step_context = precision_context(precision, env.device)
-    profile_steps = 5 if profile else 0
-
-    def stream(n):
-        for i in range(n):
-            yield batches[i % len(batches)]
-
-    # A few batches more than are stepped, so the pipeline's look-ahead never runs dry.
-    it = stream(warmup + steps + profile_steps + 4)
+    drawn = len(batches)
+    it = iter(batches)
 
     def run(n: int) -> None:
         with step_context:
@@ -149,6 +148,7 @@ def worker_ours(cfg, steps: int, warmup: int, precision: str = "fp32", profile: 
         "batch_size": cfg.data.batch_size,
         "precision": precision,
         "ms_per_step": seconds / steps * 1e3,
+        "batches": drawn,  # distinct batches, one per step
         "collectives": trainer.collectives,
         "pipeline": type(trainer.pipeline).__name__,
         "kernels": kernel_counts(trainer.tables),

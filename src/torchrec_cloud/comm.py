@@ -9,7 +9,7 @@ tensors (or pickled objects), whatever the training backend is::
 
     comm.setup(timeout)                 # every rank, after init_process_group
     have, go_on = comm.all_min([1, 1])  # the same answer on every rank
-    logits = comm.gather_1d(logits)     # rank order, on the CPU
+    totals = comm.all_sum(counts)       # exact for integer counts
 
 Why not the default group: on GPUs it is NCCL, which has no CPU backend ("No backend type
 associated with device type cpu" for any CPU tensor). Why not the values on the GPU
@@ -30,6 +30,7 @@ CPU speed-ups' shared-memory group excepted).
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
@@ -123,6 +124,38 @@ def gather_1d(t: torch.Tensor) -> torch.Tensor:
     parts = [torch.zeros_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded, group=_group)
     return torch.cat([p[: int(s)] for p, s in zip(parts, sizes)])
+
+
+def all_sum(t: torch.Tensor) -> torch.Tensor:
+    """The element-wise sum over ranks of a tensor (any shape; an integer dtype sums exactly)."""
+    t = t.detach().cpu().clone()
+    if _distributed():
+        dist.all_reduce(t, group=_group)
+    return t
+
+
+def all_to_all_rows(rows: torch.Tensor, send_counts: Sequence[int]) -> torch.Tensor:
+    """Rank r's rows ``[sum(send_counts[:r]), sum(send_counts[:r + 1]))`` of ``rows`` (a CPU
+    tensor [n, ...]) sent to rank r; returns what every rank sent this one, in rank order.
+    Collective: every rank calls it with one count per rank."""
+    rows = rows.detach().cpu().contiguous()
+    if not _distributed():
+        return rows
+    world = dist.get_world_size()
+    if len(send_counts) != world:
+        raise ValueError(f"all_to_all_rows: {len(send_counts)} counts for {world} ranks")
+    send = torch.tensor(list(send_counts), dtype=torch.int64)
+    receive = torch.empty_like(send)
+    dist.all_to_all_single(receive, send, group=_group)
+    per_row = math.prod(rows.shape[1:])
+    out = torch.empty((int(receive.sum()), *rows.shape[1:]), dtype=rows.dtype)
+    dist.all_to_all_single(
+        out.view(-1), rows.view(-1),
+        output_split_sizes=[int(n) * per_row for n in receive],
+        input_split_sizes=[int(n) * per_row for n in send],
+        group=_group,
+    )  # fmt: skip
+    return out
 
 
 def all_gather_object(obj: Any) -> list[Any]:

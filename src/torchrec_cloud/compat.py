@@ -120,6 +120,20 @@ def _assigned_in(dotted: str, *attrs: str) -> Callable[[], None]:
     return check
 
 
+def _registers(dotted: str, *buffers: str) -> Callable[[], None]:
+    """That function registers these buffers (``register_buffer("name", ...)``)."""
+
+    def check() -> None:
+        source = inspect.getsource(_resolve(dotted))
+        missing = [b for b in buffers if f'"{b}"' not in source]
+        assert not missing, f"{dotted} no longer registers {', '.join(missing)}"
+
+    return check
+
+
+_TBE = "fbgemm_gpu.split_table_batched_embeddings_ops_training.SplitTableBatchedEmbeddingBagsCodegen"
+
+
 def _pinned(**expected: str) -> Callable[[], None]:
     """Each function's :func:`fingerprint` is what we audited our rewrite against."""
 
@@ -227,7 +241,8 @@ PRIVATE: tuple[Private, ...] = (
     Private(
         "fbgemm_gpu.split_embedding_codegen_lookup_invokers.lookup_rowwise_adagrad.invoke, "
         "the TBE's placeholder_autograd_tensor, ShardedEmbeddingBagCollection._lookups",
-        "speedups/rowwise_adagrad.py install: wraps the invoker, routes our TBEs' CPU lookups",
+        "speedups/rowwise_adagrad.py install: wraps the invoker, routes our TBEs' CPU lookups (the TBEs found by "
+        "compat.table_batched_modules, which train.py's compat.unlock_cache_rows reads too)",
         _all_of(_has("fbgemm_gpu.split_embedding_codegen_lookup_invokers.lookup_rowwise_adagrad", "invoke"),
                 _assigned_in("torchrec.distributed.embeddingbag.ShardedEmbeddingBagCollection.__init__", "_lookups"),
                 _assigned_in("fbgemm_gpu.split_table_batched_embeddings_ops_training.SplitTableBatchedEmbeddingBagsCodegen.__init__",
@@ -294,6 +309,14 @@ PRIVATE: tuple[Private, ...] = (
                 _assigned_in("torch.distributed.checkpoint.filesystem.FileSystemReader.__init__", "fs"),
                 _has("torch.distributed.checkpoint.filesystem.FileSystem", "create_stream", "rename"),
                 _has("torch.distributed.checkpoint._fsspec_filesystem.FileSystem", "create_stream", "rename")),
+    ),
+    Private(
+        "fbgemm SplitTableBatchedEmbeddingBagsCodegen cache-lock state (lock_cache_line, lxu_cache_locking_counter, "
+        "lxu_cache_locations_list, timesteps_prefetched)",
+        "train.py _evaluate (compat.unlock_cache_rows): the UVM cache rows an evaluation locked, unlocked",
+        _all_of(_assigned_in(f"{_TBE}.__init__", "lock_cache_line"),
+                _assigned_in(f"{_TBE}._apply_cache_state", "lxu_cache_locations_list", "timesteps_prefetched"),
+                _registers(f"{_TBE}._init_uvm_cache_counter", "lxu_cache_locking_counter")),
     ),
     Private(
         "torch.distributed._shard.sharded_tensor (Shard, ShardedTensor._init_from_local_shards_and_global_metadata, "
@@ -443,6 +466,42 @@ def already_staged() -> Any:
             pass
 
     return AlreadyStaged()
+
+
+def table_batched_modules(model: Any) -> list:
+    """fbgemm's table-batched embedding modules (TBEs) of the sharded collections in ``model``
+    (a sharded model, or one TBE). A sharded collection keeps its lookups in a plain list
+    (``_lookups``), which ``modules()`` does not walk."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+
+    lookups = [lookup for m in model.modules() for lookup in getattr(m, "_lookups", None) or ()]
+    found = {id(m): m for root in (model, *lookups) for m in root.modules()}
+    return [m for m in found.values() if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen)]
+
+
+def unlock_cache_rows(model: Any) -> int:
+    """Unlock every UVM cache row of ``model``'s tables that no training batch holds; call it
+    with no batch in flight (the training pipeline drained). Returns how many of fbgemm's
+    table-batched modules (TBEs) lock rows.
+
+    A TBE built with ``prefetch_pipeline`` (``--prefetch_pipeline``) sets ``lock_cache_line``:
+    each prefetch raises the lock count of the cache slots it fills, and only the backward
+    pre-hook of the batch that used them lowers it (fbgemm-gpu 1.8.0
+    ``split_table_batched_embeddings_ops_training.py``: ``_prefetch`` through
+    ``lru_cache_populate``, ``_update_cache_counter_and_locations``). A forward without a
+    prefetch (evaluation) prefetches inline and has no backward, so its slots would stay
+    locked for good and training would read its misses from host memory. This is the reset
+    of TorchRec's ``memory_stashing.py`` (torchrec 1.8.0, ``restore``: prefetch lists
+    cleared, ``lxu_cache_locking_counter`` zeroed), without its cache invalidation: an
+    evaluation changes no row, so the cached rows stay valid."""
+    count = 0
+    for module in table_batched_modules(model):
+        if getattr(module, "lock_cache_line", False):
+            module.lxu_cache_locking_counter.zero_()
+            module.lxu_cache_locations_list.clear()
+            module.timesteps_prefetched.clear()
+            count += 1
+    return count
 
 
 def load_whole(storage_reader: Any, planner: Any) -> dict[str, Any]:

@@ -291,6 +291,11 @@ class TrainConfig:
     """Passes over the training data."""
     eval_every: int = 0
     """Evaluate on the validation split every this many steps (0: only at the end)."""
+    eval_rows: int = 131_072
+    """Rows an --eval_every evaluation scores: a fixed sample of the validation split (the
+    same rows each time and on any number of ranks), so that evaluating does not outweigh
+    training on a large split; the evaluation at the end scores the whole split. 0: the
+    whole split every time."""
     log_every: int = 10
     """Write a train record (loss, samples/s) every this many steps."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -298,9 +303,10 @@ class TrainConfig:
     num_threads: int = 0
     """CPU threads per rank; 0 divides the machine's cores among the local ranks."""
     precision: Precision = "fp32"
-    """Dense compute (training and evaluation): ``fp32``; ``tf32`` (CUDA matmuls in TF32,
-    same as fp32 on CPU); ``bf16`` (bfloat16 autocast of the MLPs; the tables, the
-    optimizer state, the dot interaction and the loss stay float32)."""
+    """Dense compute of the training step: ``fp32``; ``tf32`` (CUDA matmuls in TF32, same
+    as fp32 on CPU); ``bf16`` (bfloat16 autocast of the MLPs; the tables, the optimizer
+    state, the dot interaction and the loss stay float32). Evaluations score float32
+    logits either way, as an exported model does."""
     pg_timeout_s: int = field(default_factory=lambda: _env_int("pg_timeout_s", "TORCHREC_CLOUD_PG_TIMEOUT_S", 1800))
     """Seconds a collective may wait for another rank before the run fails (default 1800,
     or TORCHREC_CLOUD_PG_TIMEOUT_S)."""
@@ -313,6 +319,7 @@ class TrainConfig:
         _positive("stop_stall_s", self.stop_stall_s, allow_zero=True)
         _positive("num_epochs", self.num_epochs)
         _positive("eval_every", self.eval_every, allow_zero=True)
+        _positive("eval_rows", self.eval_rows, allow_zero=True)
         _positive("log_every", self.log_every)
         _positive("num_threads", self.num_threads, allow_zero=True)
         _positive("pg_timeout_s", self.pg_timeout_s)

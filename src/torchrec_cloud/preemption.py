@@ -113,3 +113,25 @@ class Preemption:
             signal.set_wakeup_fd(previous_fd)
             os.close(write_fd)  # the watchdog's read returns empty: it stops waiting
             self._wakeup = None
+
+
+def shield_data_worker(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn`` (``--data_workers``): keep a rank's data worker processes
+    out of the SIGTERM meant for the rank, so the rank can finish its step and save.
+
+    torchrun's agent stops a rank by sending SIGTERM to the rank's whole process group
+    (torch 2.13 ``distributed/elastic/multiprocessing/subprocess_handler/subprocess_handler.py``,
+    ``SubprocessHandler.close``: ``os.killpg``). DataLoader workers are forked into that
+    group, and the SIGTERM handler torch gives them (``torch/csrc/DataLoader.cpp``,
+    ``handler_SIGTERM``) exits quietly only for a SIGTERM from the worker's parent: anyone
+    else's kills it. The rank's SIGCHLD handler then raises at its next batch, and the rank
+    dies without a checkpoint. In a process group of its own the worker is not reached; the
+    rank stops at the end of its step, saves, and shuts its workers down as at the end of an
+    epoch (its SIGTERM to them still ends them quietly). A worker whose rank died exits by
+    itself: DataLoader's worker loop watches for its parent.
+
+    A forked worker also inherits the rank's signal wakeup pipe (the preemption watchdog
+    reads it); a signal to the worker must not read there as the rank's own SIGTERM.
+    """
+    os.setpgid(0, 0)
+    signal.set_wakeup_fd(-1)

@@ -33,7 +33,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from torchrec_cloud import comm, metrics
+from torchrec_cloud import comm, compat, metrics
 from torchrec_cloud.metrics import run_folder
 from torchrec_cloud.build import Trainer, build
 from torchrec_cloud.checkpoint import Checkpointer, Position
@@ -87,6 +87,7 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
     workers = _data_workers(cfg, env)
     window = _Window()
     last_val: dict[str, float] = {}
+    val_step = -1  # the step at which the whole validation split was last scored
     intervals = (cfg.train.eval_every, cfg.checkpoint.checkpoint_interval)
     run_start = time.perf_counter()
     for epoch, first, last in segments(position, cfg.train.num_epochs, batches_per_epoch, intervals):
@@ -119,7 +120,11 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
         if last == batches_per_epoch and window.steps:
             sink.log(window.record(step, epoch, env, scheduler.current_lr()))
         if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-            last_val = _evaluate(pipeline, source, "val", step, epoch, env, sink, step_context, facts)
+            # A fixed sample of the split (--eval_rows), at the last step the whole of it.
+            rows = cfg.train.eval_rows if step < total_steps and cfg.train.eval_rows else None
+            last_val = _evaluate(trainer, source, "val", step, epoch, env, sink, facts, rows)
+            if last_val["rows"] == last_val["split_rows"]:
+                val_step = step
         if checkpoints.due(step):
             checkpoints.save(position, dmp, optimizer, scheduler)
         checkpoints.poll()
@@ -130,9 +135,9 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
     # -- evaluate ----------------------------------------------------------------------
     test: dict[str, float] = {}
     if not preemption.stop:
-        if not (cfg.train.eval_every and step % cfg.train.eval_every == 0 and last_val):
-            last_val = _evaluate(pipeline, source, "val", step, cfg.train.num_epochs - 1, env, sink, step_context, facts)
-        test = _evaluate(pipeline, source, "test", step, cfg.train.num_epochs - 1, env, sink, step_context, facts)
+        if val_step != step:
+            last_val = _evaluate(trainer, source, "val", step, cfg.train.num_epochs - 1, env, sink, facts)
+        test = _evaluate(trainer, source, "test", step, cfg.train.num_epochs - 1, env, sink, facts)
 
     # -- save --------------------------------------------------------------------------
     # A run stopped before its first step has nothing new to save (and little grace time).
@@ -334,11 +339,26 @@ class _Window:
         return record
 
 
-def _evaluate(pipeline, source, split, step, epoch, env, sink, context, facts) -> dict[str, float]:
-    model = pipeline.detach()  # the pipeline re-attaches on its next progress()
-    with context:  # the training step's precision
-        metrics = evaluate(model, source, split, env.device)
-    bayes = (facts.get("bayes_auc_by_split") or {}).get(split)
+def _evaluate(trainer: Trainer, source: DataSource, split: str, step: int, epoch: int, env: Env, sink: MetricsSink,
+              facts: dict[str, Any], rows: Optional[int] = None) -> dict[str, Any]:  # fmt: skip
+    """Score ``split`` (a sample of ``rows`` of it, or all) between two training segments
+    (no batch in flight), and log it. The training pipeline is detached for it and attached
+    again, as TorchRec documents the pair (torchrec 1.8.0 train_pipelines.py
+    ``TrainPipelineSparseDist.detach``): only ``TrainPipelineSparseDist.progress`` attaches
+    a detached model by itself, ``PrefetchTrainPipelineSparseDist.progress`` does not and
+    would call ``set_context`` on the plain forwards detach put back."""
+    pipeline = trainer.pipeline
+    model = pipeline.detach()
+    try:
+        metrics = evaluate(model, trainer.optimizer, source, split, env.device, rows)
+    finally:
+        # Scoring looked the rows up through the UVM caches, which lock them where the
+        # prefetch pipeline is on; only a backward unlocks them (compat.unlock_cache_rows).
+        compat.unlock_cache_rows(model)
+        pipeline.attach(model)
+    # The data's best AUC is known for the whole split, not for a sample of it.
+    whole = metrics["rows"] == metrics["split_rows"]
+    bayes = (facts.get("bayes_auc_by_split") or {}).get(split) if whole else None
     sink.log(
         {
             **({"bayes_auc": bayes} if bayes is not None else {}),
@@ -351,6 +371,7 @@ def _evaluate(pipeline, source, split, step, epoch, env, sink, context, facts) -
             "logloss": metrics["logloss"],
             "ne": metrics["ne"],
             "rows": metrics["rows"],
+            "split_rows": metrics["split_rows"],
             "samples_per_s": metrics["rows"] / max(metrics["seconds"], 1e-9),
             "world_size": env.world_size,
         }

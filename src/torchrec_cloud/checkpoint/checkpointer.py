@@ -64,6 +64,8 @@ from torchrec_cloud.checkpoint.dcp import (
     metadata_problem,
     private_copy,
     reader,
+    rng_keys,
+    rng_state,
     set_rng_state,
     training_state,
     writer,
@@ -343,8 +345,7 @@ class Checkpointer:
 
         source = reader(info.path, info.commit, checksums=self.verifies(info))
         metadata = source.read_metadata()
-        rng_key = f"rng.rank_{self.env.rank}.torch"
-        state = training_state(dmp, optimizer, self.env.rank, with_rng=rng_key in metadata.state_dict_metadata)
+        state = training_state(dmp, optimizer, self.env.rank, rng_keys(metadata, self.env.rank, self.env.device))
         try:
             load(state, storage_reader=source, planner=load_planner(info.path))
         except CheckpointDamagedError:
@@ -356,7 +357,7 @@ class Checkpointer:
         trainer = info.commit["trainer"]
         scheduler.load_state_dict(trainer["scheduler"])
         if "rng" in state:
-            set_rng_state(state["rng"][f"rank_{self.env.rank}"])
+            set_rng_state(state["rng"][f"rank_{self.env.rank}"], self.env.device)
         self._last_step = int(trainer["step"]) if self._is_ours(info) else None
         return Position(int(trainer["step"]), int(trainer["epoch"]), int(trainer["batch"]))
 
@@ -399,7 +400,7 @@ class Checkpointer:
             "batch": position.batch,
             "scheduler": scheduler.state_dict(),
         }
-        state = training_state(dmp, optimizer, self.env.rank)
+        state = training_state(dmp, optimizer, self.env.rank, rng_state(self.env.device))
         files = writer(path, checksums=self.ck.checkpoint_checksums)
         self._last_step = position.step
         try:

@@ -14,6 +14,7 @@ import contextlib
 import copy
 import dataclasses
 import io
+import math
 import os
 import random
 import threading
@@ -32,43 +33,78 @@ if TYPE_CHECKING:  # torch loads only where a command needs it: `checkpoint ls` 
     import torch
 
 
-def rng_state() -> dict[str, Any]:
+def rng_state(device: "torch.device") -> dict[str, "torch.Tensor"]:
+    """This rank's random generators as plain tensors (loading them needs no unpickling):
+    ``torch`` (the CPU generator), ``python`` and ``numpy`` (the global Mersenne Twisters,
+    float64: every word is exact), and ``cuda`` on a rank that runs on a GPU: the generator of
+    its own device only. One key per generator, whatever the number of GPUs a process sees,
+    so a checkpoint saved with 0, 1 or 8 visible GPUs resumes on any other (a rank loads the
+    keys that both it and the checkpoint have: :func:`rng_keys`)."""
     import numpy as np
     import torch
 
-    state: dict[str, Any] = {
+    version, words, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    assert name == "MT19937", name
+    state = {
         "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": torch.tensor([version, *words, math.nan if gauss is None else gauss], dtype=torch.float64),
+        "numpy": torch.tensor([*keys.tolist(), pos, has_gauss, cached], dtype=torch.float64),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, "torch.Tensor"], device: "torch.device") -> None:
+    """Restore the generators :func:`rng_state` saved that are in ``state``."""
     import numpy as np
     import torch
 
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "python" in state:
+        values = state["python"].tolist()
+        random.setstate((int(values[0]), tuple(int(v) for v in values[1:-1]),
+                         None if math.isnan(values[-1]) else values[-1]))  # fmt: skip
+    if "numpy" in state:
+        values = state["numpy"].tolist()
+        np.random.set_state(("MT19937", np.array(values[:-3], dtype=np.uint32), int(values[-3]), int(values[-2]),
+                             values[-1]))  # fmt: skip
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def training_state(dmp: torch.nn.Module, optimizer: Any, rank: int, with_rng: bool = True) -> dict[str, Any]:
+def rng_keys(metadata: Any, rank: int, device: "torch.device") -> dict[str, "torch.Tensor"]:
+    """The generators of rank ``rank`` that the checkpoint with DCP ``metadata`` holds as
+    tensors of the size this process has, as tensors to load into: the CPU ones always, the
+    CUDA one only on a GPU rank (a CPU or 1-GPU checkpoint on an 8-GPU node, or a GPU one on a
+    CPU, resumes with the generators both sides have); a rank the saving run did not have
+    keeps its seeded ones, as do generators an older checkpoint saved pickled."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = metadata.state_dict_metadata
+    out = {}
+    for name, tensor in rng_state(device).items():
+        entry = saved.get(f"rng.rank_{rank}.{name}")
+        if isinstance(entry, TensorStorageMetadata) and tuple(entry.size) == tuple(tensor.shape):
+            out[name] = tensor
+    return out
+
+
+def training_state(dmp: torch.nn.Module, optimizer: Any, rank: int, rng: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """The state dict DCP saves and loads in place.
 
     ``model``: ``dmp.state_dict()`` has the same keys on any number of ranks (DMP strips
     the DDP ``module.`` prefix of the dense part); tables are ShardedTensors. ``optimizer``:
     the CombinedOptimizer's state by parameter FQN: the fused row-wise Adagrad's
     ``<table>.momentum1`` ShardedTensors (each rank lists its own tables) and the dense
-    Adagrad's ``sum``/``step``. RNG states differ per rank, so each has its own key.
+    Adagrad's ``sum``/``step``. ``rng``: this rank's generators (:func:`rng_state`), under a
+    key of its own (``rng.rank_R.NAME``): they differ per rank.
     """
     state: dict[str, Any] = {"model": dmp.state_dict(), "optimizer": optimizer.state_dict()}
-    if with_rng:
-        state["rng"] = {f"rank_{rank}": rng_state()}
+    if rng:
+        state["rng"] = {f"rank_{rank}": rng}
     return state
 
 

@@ -16,7 +16,8 @@ with ``pickle.load``, and ``DefaultLoadPlanner.load_bytes`` loads every non-tens
   inside that file and no two overlap, every tensor's chunks lie inside the tensor and each fits
   its byte range, the nested-key paths stay small. What a load allocates is then bounded by the
   bytes of the checkpoint's files;
-- non-tensor entries (the RNG states; DCP saves each with ``torch.save``) load with
+- non-tensor entries (DCP saves each with ``torch.save``; ours hold none since the RNG states
+  are tensors, older checkpoints' RNG states were) load with
   ``torch.load(weights_only=True)`` (:func:`load_object`). numpy's RNG state holds an array: the
   numpy names it needs are admitted through ``torch.serialization.safe_globals``, which fits
   here (its unpickler reads what ``torch.save`` writes), with numpy's array rebuilder replaced by

@@ -42,11 +42,9 @@ import numpy as np
 
 from torchrec_cloud import checksum, storage
 from torchrec_cloud.data.criteo_format import (
-    CAT_FEATURES,
     DENSE_NAMES,
     FORMAT_NAME,
     FORMAT_VERSION,
-    INT_FEATURES,
     MANIFEST,
     PLAN,
     SHARD_DIR,
@@ -56,6 +54,7 @@ from torchrec_cloud.data.criteo_format import (
     sparse_dtype_for,
 )
 from torchrec_cloud.data.criteo_parse import BadLineError, PreprocessError, parse_block
+from torchrec_cloud.data.dataset import record_section
 from torchrec_cloud.untrusted import (
     MAX_FILE_BYTES,
     MAX_LINE_BYTES,
@@ -518,7 +517,6 @@ def _manifest(opts: Options, markers: list[dict]) -> dict:
                 "dense_min": min(mins) if mins else 0,
             }
         )
-    dtype = record_dtype(opts.sparse_dtype)
     return {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
@@ -526,15 +524,7 @@ def _manifest(opts: Options, markers: list[dict]) -> dict:
         "rows": sum(s["rows"] for s in sources),
         "skipped_lines": sum(s["skipped_lines"] for s in sources),
         "skipped_examples": skipped_examples[:20],
-        "record": {
-            "byte_order": "little",
-            "bytes_per_row": dtype.itemsize,
-            "fields": [
-                {"name": "label", "dtype": "int32", "shape": []},
-                {"name": "dense", "dtype": "int32", "shape": [INT_FEATURES]},
-                {"name": "sparse", "dtype": opts.sparse_dtype, "shape": [CAT_FEATURES]},
-            ],
-        },
+        "record": record_section(record_dtype(opts.sparse_dtype)),
         "features": {"label": "label", "dense": DENSE_NAMES, "sparse": SPARSE_NAMES},
         "dense_encoding": "raw integers, missing = 0; the reader applies the log transform",
         "num_embeddings_per_feature": opts.num_embeddings_per_feature,

@@ -21,10 +21,10 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 import torch
 from torchrec.datasets.utils import Batch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_cloud import storage
 from torchrec_cloud.config import ConfigError, JobConfig
+from torchrec_cloud.data import keyed_jagged_tensor
 from torchrec_cloud.data.criteo_format import (
     CAT_FEATURES,
     INT_FEATURES,
@@ -159,11 +159,8 @@ class CriteoSource(ShardSource):
                 ids_t, self.multi_hot_sizes, self.table_sizes.tolist(), g, self.multi_hot_pooling
             )
         else:
-            sparse = KeyedJaggedTensor(
-                keys=SPARSE_NAMES,
-                values=ids_t.t().contiguous().view(-1),
-                lengths=torch.ones(b * CAT_FEATURES, dtype=torch.int32),
-                stride=b,
+            sparse = keyed_jagged_tensor(
+                SPARSE_NAMES, ids_t.t().contiguous().view(-1), torch.ones(b * CAT_FEATURES, dtype=torch.int32), b
             )
         return Batch(
             dense_features=torch.from_numpy(dense),

@@ -122,6 +122,13 @@ class Rows:
         return b"".join(parts)
 
 
+def record_section(record: np.dtype, **extra: Any) -> dict[str, Any]:
+    """A manifest's ``record``: the row's little-endian fields as both formats describe them
+    (Criteo's and a schema's), with ``extra`` keys."""
+    fields = [{"name": n, "dtype": record[n].base.name, "shape": list(record[n].shape)} for n in record.names]
+    return {"byte_order": "little", "bytes_per_row": record.itemsize, "fields": fields, **extra}
+
+
 def shard_bytes(rows: int, values: Sequence[int], row_bytes: int, value_bytes: int) -> int:
     """The size a shard of ``rows`` rows with ``values`` ids per list feature must have."""
     return rows * row_bytes + sum((rows + 1) * OFFSET_BYTES + n * value_bytes for n in values)

@@ -22,6 +22,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_cloud.config import MLPERF_MULTI_HOT_SIZES
+from torchrec_cloud.data import keyed_jagged_tensor
 from torchrec_cloud.data.hashing import mix
 
 __all__ = ["MLPERF_MULTI_HOT_SIZES", "expand_multi_hot", "validate_sizes"]
@@ -83,6 +84,4 @@ def expand_multi_hot(
             mask = torch.arange(s)[None, :] < n_keep[:, None]
             values.append(bag[mask])
             lengths.append(n_keep.to(torch.int32))
-    return KeyedJaggedTensor(
-        keys=keys, values=torch.cat(values), lengths=torch.cat(lengths), stride=b
-    )
+    return keyed_jagged_tensor(keys, torch.cat(values), torch.cat(lengths), b)

@@ -21,10 +21,14 @@ def prefetched(items: Iterator[T], depth: int, pin: bool = False) -> Iterator[T]
     synthetic batch costs more host time than the GPU step. ``pin`` puts each batch in
     page-locked memory so its copy to the GPU is asynchronous too. An error in the thread
     is raised here, at the batch where it happened. Closing this generator (the loop ends
-    a segment early) stops the thread; batches it made ahead are dropped.
+    a segment early) stops the thread; batches it made ahead are dropped. With ``depth`` 0
+    each batch is made (and pinned) here, when it is asked for.
     """
     if depth <= 0:
-        yield from items
+        for item in items:
+            # Pinned here too: the pipeline's copy to the GPU (non_blocking) is asynchronous
+            # only from page-locked memory.
+            yield item.pin_memory() if pin else item
         return
     made: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()

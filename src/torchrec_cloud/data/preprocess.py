@@ -47,6 +47,7 @@ from torchrec_cloud.data.dataset import (
     Rows,
     check_shard,
     load_dataset,
+    record_section,
 )
 from torchrec_cloud.data.schema import Schema, Split
 from torchrec_cloud.data.tabular import BadRowError, Input
@@ -381,7 +382,6 @@ def write_manifest(opts: Options, transforms: Transforms, vocab_entries: dict, s
             rows += e["rows"]
         sources.append({"path": opts.inputs[source], "rows": rows, "skipped_rows": doc["skipped_rows"]})
         examples += doc["skipped_examples"]
-    record = transforms.dtype
     manifest = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
@@ -389,13 +389,8 @@ def write_manifest(opts: Options, transforms: Transforms, vocab_entries: dict, s
         "rows": sum(s["rows"] for s in sources),
         "skipped_rows": sum(s["skipped_rows"] for s in sources),
         "skipped_examples": examples[:20],
-        "record": {
-            "byte_order": "little",
-            "bytes_per_row": record.itemsize,
-            "fields": [{"name": n, "dtype": record[n].base.name, "shape": list(record[n].shape)} for n in record.names],
-            "list_dtype": transforms.list_dtype.name,
-            "lists": [f.name for f in opts.schema.lists],
-        },
+        "record": record_section(transforms.dtype, list_dtype=transforms.list_dtype.name,
+                                 lists=[f.name for f in opts.schema.lists]),  # fmt: skip
         "features": {
             "label": opts.schema.label.column,
             "dense": [f.name for f in opts.schema.dense],

@@ -18,11 +18,10 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 from torchrec.datasets.utils import Batch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_cloud import storage
 from torchrec_cloud.config import ConfigError, JobConfig
-from torchrec_cloud.data import SPLITS
+from torchrec_cloud.data import SPLITS, keyed_jagged_tensor
 from torchrec_cloud.data.dataset import (
     OFFSET_BYTES,
     Dataset,
@@ -34,24 +33,6 @@ from torchrec_cloud.data.dataset import (
 )
 from torchrec_cloud.data.shards import IO_THREADS, WINDOW_ROWS, ShardSource
 from torchrec_cloud.untrusted import UntrustedInputError
-
-
-def kjt(keys: Sequence[str], lengths: Sequence[np.ndarray], values: Sequence[np.ndarray], stride: int) -> KeyedJaggedTensor:
-    """A KeyedJaggedTensor of per-key lengths [stride] and ids, with ``length_per_key`` and
-    ``offset_per_key`` computed here, on the host (TorchRec's input dist otherwise reads them
-    back from the device every batch)."""
-    per_key = [int(v.shape[0]) for v in values]
-    offsets = [0]
-    for n in per_key:
-        offsets.append(offsets[-1] + n)
-    return KeyedJaggedTensor(
-        keys=list(keys),
-        values=torch.from_numpy(np.concatenate(values).astype(np.int64)),
-        lengths=torch.from_numpy(np.concatenate(lengths).astype(np.int32)),
-        stride=stride,
-        length_per_key=per_key,
-        offset_per_key=offsets,
-    )
 
 
 def batch_of(rows: Rows, keys: Sequence[str], singles: Sequence[int], lists: Sequence[int],
@@ -77,7 +58,8 @@ def batch_of(rows: Rows, keys: Sequence[str], singles: Sequence[int], lists: Seq
                               f"({table_sizes[k]} rows): a shard is damaged (find it with: torchrec-cloud data verify)")  # fmt: skip
     return Batch(
         dense_features=torch.from_numpy(np.ascontiguousarray(rows.records["dense"])),
-        sparse_features=kjt(keys, lengths, values, b),
+        sparse_features=keyed_jagged_tensor(keys, torch.from_numpy(np.concatenate(values).astype(np.int64)),
+                                            torch.from_numpy(np.concatenate(lengths).astype(np.int32)), b),  # fmt: skip
         labels=torch.from_numpy(rows.records["label"].astype(np.float32)),
     )
 

@@ -21,7 +21,8 @@ How rows reach ranks (``W`` ranks, batch ``B``, ``T`` training rows):
 - Evaluation (``val``, ``test``): the split's rows are divided between ranks as evenly
   as possible (counts differ by at most one); every rank yields the same number of
   batches, the last ones padded, with ``valid_rows`` saying how many rows count. Every row
-  of the split is scored exactly once.
+  of the split is scored exactly once. A sample (``--eval_rows``) is a fixed set of
+  8192-row blocks spread evenly over the split, divided between ranks the same way.
 - Resume: ``train_batches(epoch, start_batch)`` starts at any batch, with the same rows in
   the same order as an uninterrupted epoch.
 
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from torchrec.datasets.utils import Batch
 
 SHUFFLE_BLOCK_ROWS = 8192
+SAMPLE_BLOCK_ROWS = 8192  # --eval_rows: the sample's contiguous blocks
 WINDOW_ROWS = 1 << 18
 IO_THREADS = 4
 
@@ -72,6 +74,20 @@ class _Split:
             lo += take
             k += 1
         return out
+
+
+def _sample(split: _Split, rows: int) -> _Split:
+    """About ``rows`` rows of ``split`` (fewer than it has) in blocks of at most
+    SAMPLE_BLOCK_ROWS spread evenly over it: block j is the start of the j-th of k equal parts.
+    A split read in file order is in time order (a day's log), so a sample of its first rows
+    would see one hour; a few contiguous blocks keep the reads few and large."""
+    k = math.ceil(rows / SAMPLE_BLOCK_ROWS)
+    segments = []
+    for j in range(k):
+        start, end = split.rows * j // k, split.rows * (j + 1) // k
+        take = min(rows * (j + 1) // k - rows * j // k, end - start)
+        segments.extend(list(r) for r in split.ranges(start, start + take))
+    return _Split(segments)
 
 
 class ShardSource(DataSource):
@@ -132,10 +148,13 @@ class ShardSource(DataSource):
                     yield self._make_batch(rows.slice(i, i + b), (epoch, index))
                 index += 1
 
-    def eval_batches(self, split: str) -> Iterator[tuple[Batch, int]]:
-        if split not in self.splits:  # "train" too: `predict --split all` scores every row
-            raise ValueError(f"no split {split!r} in {self.path}")
-        rows = self.splits[split].rows
+    def num_eval_rows(self, split: str) -> int:
+        return self._held_out(split).rows
+
+    def eval_batches(self, split: str, rows: Optional[int] = None) -> Iterator[tuple[Batch, int]]:
+        whole = self._held_out(split)
+        part = whole if rows is None or rows >= whole.rows else _sample(whole, rows)
+        rows = part.rows
         ws, b = self.world_size, self.batch_size
         base, extra = divmod(rows, ws)
         lo = self.rank * base + min(self.rank, extra)
@@ -144,13 +163,12 @@ class ShardSource(DataSource):
         windows = []
         for w, start in enumerate(range(0, mine, self.window_rows)):
             end = min(start + self.window_rows, mine)
-            windows.append((w, start, end, self._split_ranges(split, lo + start, lo + end)))
+            windows.append((w, start, end, part.ranges(lo + start, lo + end)))
         produced = 0
-        for (_, start, end, _), rows in zip(windows, self._prefetch(windows)):
+        for (_, start, end, _), got in zip(windows, self._prefetch(windows)):
             for i in range(0, end - start, b):
-                part = rows.slice(i, i + b)
-                valid = len(part)
-                yield self._make_batch(part.padded(b), None), valid
+                batch = got.slice(i, i + b)
+                yield self._make_batch(batch.padded(b), None), len(batch)
                 produced += 1
         pad = None
         while produced < items:
@@ -158,6 +176,11 @@ class ShardSource(DataSource):
                 pad = self._make_batch(self._empty().padded(b), None)
             yield pad, 0
             produced += 1
+
+    def _held_out(self, split: str) -> _Split:
+        if split not in self.splits:  # "train" too: `predict --split all` scores every row
+            raise ValueError(f"no split {split!r} in {self.path}")
+        return self.splits[split]
 
     # -- row order and reads -------------------------------------------------------------
 

@@ -13,20 +13,21 @@ own slice of global batches::
 
 Held-out splits (``val``, ``test``) are a fixed set of global batches, independent of the
 world size: rank r evaluates global batches r, r+W, ...; ranks that run out evaluate a
-padding batch counted with zero rows, so the metric is the same on any number of ranks.
+padding batch counted with zero rows, so the metric is the same on any number of ranks. A
+sample of N rows (``--eval_rows``) is the split's first N rows: its first global batches.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_cloud.config import JobConfig
-from torchrec_cloud.data import SPLITS, DataSource
+from torchrec_cloud.data import SPLITS, DataSource, keyed_jagged_tensor
 from torchrec_cloud.data.hashing import hashed_normal, mix
 
 
@@ -162,8 +163,11 @@ class SyntheticSource(DataSource):
         indices = self.train_indices(epoch, start_batch)
         if not indices:
             return iter(())
+        from torchrec_cloud.preemption import shield_data_worker
+
         loader = torch.utils.data.DataLoader(
-            _TrainBatches(self, indices), batch_size=None, num_workers=workers, pin_memory=pin, prefetch_factor=2
+            _TrainBatches(self, indices), batch_size=None, num_workers=workers, pin_memory=pin, prefetch_factor=2,
+            worker_init_fn=shield_data_worker,
         )
         return iter(loader)
 
@@ -180,12 +184,16 @@ class SyntheticSource(DataSource):
         else:
             yield from super().train_batches_ahead(epoch, start_batch, workers, pin)
 
-    def eval_batches(self, split: str) -> Iterator[tuple[Batch, int]]:
-        steps = math.ceil(self.num_eval_batches / self.world_size)
-        for k in range(steps):
+    def num_eval_rows(self, split: str) -> int:
+        return self.num_eval_batches * self.batch_size
+
+    def eval_batches(self, split: str, rows: Optional[int] = None) -> Iterator[tuple[Batch, int]]:
+        rows = self.num_eval_rows(split) if rows is None else min(rows, self.num_eval_rows(split))
+        batches = math.ceil(rows / self.batch_size)
+        for k in range(math.ceil(batches / self.world_size)):
             index = k * self.world_size + self.rank
-            if index < self.num_eval_batches:
-                yield self.make_batch(split, index), self.batch_size
+            if index < batches:
+                yield self.make_batch(split, index), min(self.batch_size, rows - index * self.batch_size)
             else:
                 yield self.make_batch(split, 0), 0
 
@@ -224,9 +232,4 @@ class _TrainBatches(torch.utils.data.Dataset):
 def _one_hot_kjt(keys: list[str], ids: torch.Tensor) -> KeyedJaggedTensor:
     """A KJT with one id per (feature, sample) from ``ids`` [B, F]."""
     b, f = ids.shape
-    return KeyedJaggedTensor(
-        keys=keys,
-        values=ids.t().contiguous().view(-1),
-        lengths=torch.ones(b * f, dtype=torch.int32),
-        stride=b,
-    )
+    return keyed_jagged_tensor(keys, ids.t().contiguous().view(-1), torch.ones(b * f, dtype=torch.int32), b)

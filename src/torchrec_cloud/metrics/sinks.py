@@ -203,6 +203,9 @@ def _eval_line(r: dict[str, Any]) -> str:
         parts.append(f"log loss {r['logloss']:.4f}")
     if r.get("ne") is not None:
         parts.append(f"NE {r['ne']:.4f}")
+    rows, split_rows = r.get("rows"), r.get("split_rows")
+    if isinstance(rows, int) and isinstance(split_rows, int) and rows < split_rows:
+        parts.append(f"(a sample: {rows:,} of {split_rows:,} rows, --eval_rows)")
     return "  ".join(parts)
 
 

@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from torchrec_cloud import compat
 from torchrec_cloud.speedups import native
 
 _ORIGINAL: Optional[Callable[..., torch.Tensor]] = None  # fbgemm's invoker, once wrapped
@@ -295,15 +296,11 @@ def install(module: torch.nn.Module) -> int:
     calls that :func:`_fast_path` declines, still go to fbgemm."""
     global _ORIGINAL
     from fbgemm_gpu.split_embedding_codegen_lookup_invokers import lookup_rowwise_adagrad
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
     if _ORIGINAL is None:
         _ORIGINAL = lookup_rowwise_adagrad.invoke
         lookup_rowwise_adagrad.invoke = _invoke
-    # A sharded collection keeps its lookups in a plain list, which modules() skips.
-    lookups = [lk for m in module.modules() for lk in getattr(m, "_lookups", None) or ()]
-    found = {id(m): m for root in (module, *lookups) for m in root.modules()}
-    tbes = [m for m in found.values() if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen)]
+    tbes = compat.table_batched_modules(module)
     for tbe in tbes:
         _installed[id(tbe.placeholder_autograd_tensor)] = tbe.placeholder_autograd_tensor
     return len(tbes)
