@@ -348,6 +348,8 @@ def test_every_command_reports_errors_in_one_place(capsys, tmp_path):
         (["predict", missing, "--input", "x.parquet", "--output", str(tmp_path / "o.csv")], "torchrec-cloud predict: error: "),
         (["export", missing, "--output", str(tmp_path / "m")], "torchrec-cloud export: error: "),
         (["checkpoint", "inspect", "s3x://bucket/ck"], "torchrec-cloud checkpoint inspect: error: "),
+        (["checkpoint", "ls", missing], "torchrec-cloud checkpoint ls: error: "),
+        (["checkpoint", "verify", missing], "torchrec-cloud checkpoint verify: error: "),
     ]  # fmt: skip
     for argv, prefix in cases:
         line = one_line_error(capsys, 1, *argv)
