@@ -191,7 +191,7 @@ def test_damaged_newest_checkpoint_is_passed_over_for_the_one_before(reference, 
     assert cli.main(["checkpoint", "verify", str(root)]) == 1
     err = capsys.readouterr().err
     assert f"{newest}: DAMAGED: {damaged}: bytes " in err and "checksum mismatch" in err, err
-    assert cli.main(["checkpoint", "ls", "--verify", str(root)]) == 0
+    assert cli.main(["checkpoint", "ls", "--verify", str(root)]) == 1  # a DAMAGED row: exit 1
     listed = capsys.readouterr().out
     assert "step_00000040" in listed and f"DAMAGED: {damaged}" in listed, listed
 
