@@ -398,9 +398,9 @@ def test_eval_covers_every_row_exactly_once(numbered, world_size):
 
 
 def test_an_eval_sample_is_fixed_spread_and_the_same_on_any_number_of_ranks(numbered, monkeypatch):
-    from torchrec_cloud.data import criteo_reader
+    from torchrec_cloud.data import shards
 
-    monkeypatch.setattr(criteo_reader, "SAMPLE_BLOCK_ROWS", 50)  # 300 rows: 6 blocks of 50
+    monkeypatch.setattr(shards, "SAMPLE_BLOCK_ROWS", 50)  # 300 rows: 6 blocks of 50 (every layout's reader)
     picked = {}
     for world_size in (1, 2, 3):
         srcs = [CriteoSource(numbered, batch_size=100, rank=r, world_size=world_size, table_sizes=BIG,

@@ -194,3 +194,16 @@ def test_a_raw_tsv_scores_as_the_shards_made_of_it(run, capsys, tmp_path):
     bad.write_text("".join(lines[:100]))
     rc, out, err = predict(bad)
     assert rc == 1 and f"{bad}:50: " in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_predict_input_takes_a_raw_criteo_tsv(run, capsys, tmp_path):
+    """``predict --input FILE`` (the own-data spelling) scores a raw Criteo TSV as ``--dataset_path FILE`` does."""
+    outs = []
+    for flag in ("--input", "--dataset_path"):
+        rc, out, err = cli(capsys, "predict", str(run / "model"), flag, str(run / "train.txt"), "--output",
+                           str(tmp_path / "s.csv"), "--json", "--no_progress", "--batch_size", "999")  # fmt: skip
+        assert rc == 0, err
+        outs.append(json.loads(out))
+    assert outs[0]["rows"] == outs[1]["rows"] == 7_000 and outs[0]["auc"] == outs[1]["auc"]
+    line = one_line_error(capsys, "predict", str(run / "model"), "--output", str(tmp_path / "s.csv"))
+    assert "--input" in line and "--dataset_path" in line, line

@@ -8,8 +8,10 @@ namespace and returning an exit code::
     torchrun --standalone --nproc_per_node=2 -m torchrec_cloud train --preset quickstart
     torchrec-cloud bench --json
 
-Bad flags and bad values end with one line naming the flag and exit code 2; what storage
-or a damaged checkpoint did, with one line saying what and where, and exit code 1. Every
+Bad flags and bad values end with one line naming the flag and exit code 2; what storage,
+a damaged checkpoint or bad input did (a :class:`~torchrec_cloud.errors.CommandError`),
+with one line ``torchrec-cloud COMMAND [ACTION]: error: ...`` saying what and where, and
+exit code 1: :func:`main` is the one place that turns errors into lines. Every
 flag is accepted as ``--flag_name`` or ``--flag-name``; abbreviations are refused
 (:class:`~torchrec_cloud.config.FlagParser`).
 """
@@ -23,14 +25,9 @@ import sys
 from typing import Optional
 
 from torchrec_cloud import __version__, install_extra
-from torchrec_cloud.checkpoint.store import CheckpointError
-from torchrec_cloud.compat import CompatError
 from torchrec_cloud.config import ConfigError, FlagParser
+from torchrec_cloud.errors import CommandError
 from torchrec_cloud.launch import EXIT_CONFIG, EXIT_FAILED, end_pod
-from torchrec_cloud.storage import StorageError
-
-# Errors whose message names what failed and where: one line and exit 1, no traceback.
-ONE_LINE_ERRORS = (StorageError, CheckpointError, CompatError)
 
 # Sub-command name -> module, in the order ``--help`` lists them. Only the module of the
 # command being run is imported, so `render` or `report` do not wait for torch to load,
@@ -59,7 +56,7 @@ SUMMARIES = {
     "plan": "TorchRec's sharding plan for a cluster: does the model fit, where each table goes",
     "render": "render Kubernetes manifests (Indexed Job, PyTorchJob, TrainJob) for a cloud",
     "submit": "submit a training job to Kubernetes (kubectl), Azure ML or Vertex AI",
-    "data": "prepare Criteo data for training (preprocess TSV into binary shards)",
+    "data": "prepare data for training: propose a schema, preprocess Parquet/CSV or Criteo TSV into shards",
     "checkpoint": "list and inspect checkpoints (a run folder, a local folder or s3://, gs://, az:// URL)",
     "export": "export a training checkpoint to a model directory that serves (TorchScript + weights)",
     "predict": "score a dataset with an exported model: one click probability per row, AUC and log loss",
@@ -134,27 +131,30 @@ def build_parser(argv: Optional[list[str]] = None) -> FlagParser:
             _plain_help(importlib.import_module(module).add_parser(sub))
         else:  # named for --help and for errors; parsing it again would import the module
             sub.add_parser(name, help=SUMMARIES[name], add_help=False)
+    _name_commands(parser)
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    name = _command(argv)
     try:
         parser = build_parser(argv)
         ns = parser.parse_args(argv)
+        name = getattr(ns, "command_name", name)
         return int(ns.func(ns) or 0)
     except ConfigError as e:
-        print(f"torchrec-cloud {_command(argv)}: error: {e}", file=sys.stderr)
+        print(f"torchrec-cloud {name}: error: {e}", file=sys.stderr)
         end_pod(EXIT_CONFIG)
         return EXIT_CONFIG
-    except ONE_LINE_ERRORS as e:  # what storage or a damaged checkpoint did: the message says what and where
-        print(f"torchrec-cloud {_command(argv)}: error: {' '.join(str(e).split())}", file=sys.stderr)
+    except CommandError as e:  # storage, a checkpoint, a model, input data: the message says what and where
+        print(f"torchrec-cloud {name}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return EXIT_FAILED
     except ModuleNotFoundError as e:
         extra = EXTRAS.get((e.name or "").split(".")[0])
         if extra is None:
             raise
-        print(f"torchrec-cloud {_command(argv)}: error: needs {e.name}: {install_extra(extra)}", file=sys.stderr)
+        print(f"torchrec-cloud {name}: error: needs {e.name}: {install_extra(extra)}", file=sys.stderr)
         return EXIT_CONFIG
 
 
@@ -162,5 +162,12 @@ def _command(argv: list[str]) -> str:
     return next((a for a in argv if a in COMMANDS), "")
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _name_commands(parser: argparse.ArgumentParser, prefix: str = "") -> None:
+    """Every (sub-)command's parser sets ``command_name`` (``data preprocess``, ``checkpoint
+    ls``): the name its errors are printed with."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                full = f"{prefix} {name}".strip()
+                sub.set_defaults(command_name=full)
+                _name_commands(sub, full)

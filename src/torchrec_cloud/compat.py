@@ -39,8 +39,10 @@ import tokenize
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from torchrec_cloud.errors import CommandError
 
-class CompatError(RuntimeError):
+
+class CompatError(CommandError, RuntimeError):
     """A private name of the pinned stack moved or changed: the installed torch, TorchRec or
     fbgemm is not the one ``requirements/stack.txt`` pins (or compat.py needs updating)."""
 

@@ -79,6 +79,8 @@ def _env_seconds(flag: str, name: str) -> Optional[float]:
         raise ConfigError(flag, f"its default from {name} must be a number of seconds, got {value!r}") from None
 
 
+_FEATURE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+
 # Numeric precision of the dense compute (``--precision`` of train and bench).
 Precision = Literal["fp32", "tf32", "bf16"]
 
@@ -116,6 +118,12 @@ class ModelConfig:
     """Projection interaction: first branch MLP sizes."""
     interaction_branch2_layer_sizes: list[int] = field(default_factory=lambda: [2048, 2048])
     """Projection interaction: second branch MLP sizes."""
+    feature_names: Optional[list[str]] = None
+    """Names of the sparse features (comma-separated), one table ``t_NAME`` each; unset:
+    cat_0, cat_1, ... A --dataset_path made from a schema sets them from its manifest."""
+    pooling: Optional[list[str]] = None
+    """How each table pools a feature's ids (comma-separated ``sum`` or ``mean``, one per
+    sparse feature); unset: sum. A --dataset_path made from a schema sets them."""
 
     def __post_init__(self) -> None:
         _positive("num_dense_features", self.num_dense_features)
@@ -137,6 +145,17 @@ class ModelConfig:
                 f"needs one value per sparse feature ({self.num_sparse_features}), "
                 f"got {len(self.num_embeddings_per_feature)}",
             )
+        for flag in ("feature_names", "pooling"):
+            values = getattr(self, flag)
+            if values is not None and len(values) != self.num_sparse_features:
+                raise ConfigError(flag, f"needs one value per sparse feature ({self.num_sparse_features}), got {len(values)}")
+        if self.feature_names is not None:
+            bad = [n for n in self.feature_names if not _FEATURE_NAME.match(n)]
+            if bad or len(set(self.feature_names)) != len(self.feature_names):
+                raise ConfigError("feature_names",
+                                  f"names must be distinct identifiers (letters, digits, _), got {bad or self.feature_names}")  # fmt: skip
+        if self.pooling is not None and not set(self.pooling) <= {"sum", "mean"}:
+            raise ConfigError("pooling", f"every value must be sum or mean, got {self.pooling}")
         if self.over_arch_layer_sizes[-1] != 1:
             raise ConfigError(
                 "over_arch_layer_sizes",
@@ -158,6 +177,11 @@ class ModelConfig:
                 )
 
     @property
+    def sparse_names(self) -> list[str]:
+        """The sparse features' names, in table order."""
+        return list(self.feature_names) if self.feature_names is not None else [f"cat_{i}" for i in range(self.num_sparse_features)]
+
+    @property
     def table_sizes(self) -> list[int]:
         """Rows of each embedding table, one per sparse feature."""
         if self.num_embeddings_per_feature is not None:
@@ -173,7 +197,12 @@ class DataConfig:
     """Synthetic data when no --dataset_path: ``random`` (random labels, as in the seeds) or
     ``planted`` (labels from a fixed random teacher, so learning is measurable)."""
     dataset_path: Optional[str] = None
-    """Folder or URL of preprocessed Criteo shards (``torchrec-cloud data preprocess``)."""
+    """Folder or URL of a preprocessed dataset (``torchrec-cloud data preprocess``): Criteo
+    shards, or shards made from a schema, whose manifest then sets the model's features."""
+    data_source: Optional[str] = None
+    """``module:function`` (or ``path/file.py:function``) returning your own DataSource for
+    (config, rank, world_size); see examples/custom_source.py. The model's shape comes from
+    the flags."""
     batch_size: int = 8192
     """Samples per batch on each rank."""
     num_batches_per_epoch: int = 100
@@ -210,6 +239,12 @@ class DataConfig:
         _positive("num_eval_batches", self.num_eval_batches)
         if self.dataset_path is not None and not self.dataset_path.strip():
             raise ConfigError("dataset_path", "must not be empty")
+        if self.data_source is not None:
+            if self.dataset_path is not None:
+                raise ConfigError("data_source", "give --data_source or --dataset_path, not both")
+            module, sep, function = self.data_source.rpartition(":")
+            if not sep or not module.strip() or not function.isidentifier():
+                raise ConfigError("data_source", f"expected module:function or file.py:function, got {self.data_source!r}")
         _positive_list("multi_hot_sizes", self.multi_hot_sizes)
 
 
@@ -650,6 +685,10 @@ def _int_list(text: str) -> list[int]:
         ) from None
 
 
+def _str_list(text: str) -> list[str]:
+    return [x for x in text.replace(" ", ",").split(",") if x]
+
+
 def flag_kwargs(tp: Any) -> dict[str, Any]:
     """argparse keywords for a dataclass field of type ``tp`` (``Optional`` unwrapped):
     bools get --x/--no-x, Literals choices, ``list[int]`` comma or space separated ints."""
@@ -661,6 +700,8 @@ def flag_kwargs(tp: Any) -> dict[str, Any]:
         return {"action": argparse.BooleanOptionalAction}
     if origin is Literal:
         return {"choices": list(args)}
+    if origin is list and args == (str,):
+        return {"type": _str_list, "metavar": "A,B,..."}
     if origin is list:
         return {"type": _int_list, "nargs": "+", "metavar": "N,N,..."}
     return {"type": tp}

@@ -14,23 +14,25 @@ from __future__ import annotations
 
 import torch
 from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRM_Projection, DLRMTrain
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from torchrec_cloud.config import ModelConfig
-from torchrec_cloud.data import feature_names
 
 
 def table_configs(cfg: ModelConfig) -> list[EmbeddingBagConfig]:
-    """One table per sparse feature, named ``t_<feature>``."""
+    """One table per sparse feature, named ``t_<feature>``, pooling its ids by sum (or by
+    mean, where ``--pooling`` says so: a dataset's list features)."""
+    pooling = cfg.pooling or ["sum"] * cfg.num_sparse_features
     return [
         EmbeddingBagConfig(
             name=f"t_{name}",
             embedding_dim=cfg.embedding_dim,
             num_embeddings=rows,
             feature_names=[name],
+            pooling=PoolingType.MEAN if how == "mean" else PoolingType.SUM,
         )
-        for name, rows in zip(feature_names(cfg.num_sparse_features), cfg.table_sizes)
+        for name, rows, how in zip(cfg.sparse_names, cfg.table_sizes, pooling)
     ]
 
 

@@ -521,7 +521,9 @@ def _planning_flag(section: str, name: str) -> bool:
 
 
 def _main(ns: argparse.Namespace) -> int:
-    cfg = config_from_args(ns)
+    from torchrec_cloud.data import with_dataset_features
+
+    cfg = with_dataset_features(config_from_args(ns))  # a schema's dataset names the tables
     cluster = cluster_from_args(ns)
     report = plan(cfg, cluster)
     print(render_text(report))

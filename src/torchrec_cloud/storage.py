@@ -41,9 +41,10 @@ from dataclasses import dataclass
 from typing import IO, Any, Iterator, Optional
 
 from torchrec_cloud import install_extra
+from torchrec_cloud.errors import CommandError
 
 
-class StorageError(OSError):
+class StorageError(OSError, CommandError):
     """A storage operation failed; ``path`` is the local path or URL it was about."""
 
     def __init__(self, path: str, message: str) -> None:

@@ -38,7 +38,7 @@ from torchrec_cloud.metrics import run_folder
 from torchrec_cloud.build import Trainer, build
 from torchrec_cloud.checkpoint import Checkpointer, Position
 from torchrec_cloud.config import ConfigError, JobConfig, add_config_flags, config_from_args
-from torchrec_cloud.data import DataSource, build_data_source
+from torchrec_cloud.data import DataSource, build_data_source, with_dataset_features
 from torchrec_cloud.distributed import Env, init_distributed, plan_summary
 from torchrec_cloud.evaluation import evaluate
 from torchrec_cloud.launch import EXIT_OK, EXIT_PREEMPTED, end_pod, report_finished, report_run
@@ -52,6 +52,7 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
     # -- set up ------------------------------------------------------------------------
     env = init_distributed(cfg.train.backend, cfg.train.num_threads, cfg.train.pg_timeout_s)
     torch.manual_seed(cfg.data.seed + env.rank)
+    cfg = with_dataset_features(cfg)  # a dataset made from a schema names the model's features
     if env.is_main:  # only rank 0 writes there
         cfg = _in_run_folder(cfg)
     source = source or build_data_source(cfg, env.rank, env.world_size)

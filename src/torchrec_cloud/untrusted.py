@@ -9,14 +9,20 @@ whoever can write there. Everything we read from one goes through this module (d
   (:func:`check_name`);
 - numbers and strings: of the type and in the range the format allows, with one line naming
   the file and the field otherwise (:class:`Fields`);
-- sizes: a whole-file read stops past a cap (:func:`read_capped`, :func:`read_json`), an input
-  line past :data:`MAX_LINE_BYTES` is an error (:func:`read_line`), whatever the file claims;
+- sizes: a whole-file read stops past a cap, or past the size its writer recorded
+  (:func:`read_capped`, :func:`read_json`, :func:`read_yaml`), an input line past
+  :data:`MAX_LINE_BYTES` is an error (:func:`read_line`), whatever the file claims;
 - text shown to a user: control characters escaped (:func:`shown`), so no escape code reaches
   a terminal.
 
-Every failure is an :class:`UntrustedInputError` (a ``ValueError``) whose text is one line,
-``FILE: FIELD: what is wrong`` (``FILE is ...`` for the file as a whole); callers turn it into
-their own error type. No torch needed::
+Only JSON and YAML (``yaml.safe_load``: plain data, no tags that build objects) are parsed
+here; nothing is unpickled (a checkpoint's ``.metadata``: :mod:`~torchrec_cloud.checkpoint.safe_load`).
+
+Every failure is an :class:`UntrustedInputError` (a ``ValueError`` and a
+:class:`~torchrec_cloud.errors.CommandError`) whose text is one line, ``FILE: FIELD: what is
+wrong`` (``FILE is ...`` for the file as a whole): ``cli.main`` prints it as it is (exit 1),
+or a caller turns it into its own error type (a flag's ``ConfigError``, exit 2). No torch
+needed::
 
     doc = Fields(read_json(url, 1 << 20), url)
     rows = doc.int("rows", hi=MAX_ROWS)
@@ -35,6 +41,7 @@ import stat
 from typing import Any, Iterator, Optional, Sequence
 
 from torchrec_cloud import storage
+from torchrec_cloud.errors import CommandError
 
 MAX_LINE_BYTES = 1 << 20
 """Longest input line read (a Criteo line is a few hundred bytes): a file without newlines
@@ -50,7 +57,7 @@ _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
-class UntrustedInputError(ValueError):
+class UntrustedInputError(CommandError, ValueError):
     """A file read as input is not what its format allows: ``file``, ``field`` and what is wrong."""
 
     def __init__(self, file: str, field: str, problem: str) -> None:
@@ -127,7 +134,7 @@ class Fields:
 
     def __init__(self, data: Any, file: str, path: str = "") -> None:
         if not isinstance(data, dict):
-            raise UntrustedInputError(file, path, f"must be a JSON object, got {shown(type(data).__name__)}")
+            raise UntrustedInputError(file, path, f"must be an object (names and values), got {shown(type(data).__name__)}")
         self.data, self.file, self.path = data, file, path
 
     def field(self, key: str) -> str:
@@ -207,23 +214,54 @@ def _length(value: Any) -> str:
     return f"{len(value)} items" if isinstance(value, (list, dict, str)) else "no length"
 
 
-def read_capped(path: str, limit: int) -> bytes:
+def read_capped(path: str, limit: int, expected: Optional[int] = None) -> bytes:
     """A whole file (local or URL), or an :class:`UntrustedInputError` when it holds more than
-    ``limit`` bytes: no more than ``limit + 1`` bytes are ever read, whatever its size says
-    (``/dev/zero`` says 0)."""
-    data = storage.read_bytes(path, start=0, end=limit + 1)
+    ``limit`` bytes, or other than the ``expected`` bytes its writer recorded: no more than
+    ``min(limit, expected) + 1`` bytes are ever read, whatever its size says (``/dev/zero``
+    says 0)."""
+    cap = limit if expected is None else min(limit, expected)
+    data = storage.read_bytes(path, start=0, end=cap + 1)
+    if expected is not None and len(data) != expected:
+        got = f"more than {cap}" if len(data) > cap else str(len(data))
+        raise UntrustedInputError(path, "", f"holds {got} bytes, its record says {expected} (altered or truncated)")
     if len(data) > limit:
         raise UntrustedInputError(path, "", f"holds more than {limit} bytes")
     return data
 
 
-def read_json(path: str, limit: int) -> Any:
-    """The JSON value of a whole file of at most ``limit`` bytes; not JSON is an error."""
-    data = read_capped(path, limit)
+def read_json(path: str, limit: int, expected: Optional[int] = None) -> Any:
+    """The JSON value of a whole file of at most ``limit`` bytes (``expected``: see
+    :func:`read_capped`); not JSON is an error."""
+    return parse_json(read_capped(path, limit, expected), path)
+
+
+def parse_json(data: bytes, file: str) -> Any:
+    """``data`` (the bytes of ``file``, already read under a cap) as JSON."""
     try:
         return json.loads(data)
     except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, nesting
-        raise UntrustedInputError(path, "", f"is not valid JSON ({shown(str(e), 120)})") from None
+        raise UntrustedInputError(file, "", f"is not valid JSON ({shown(str(e), 120)})") from None
+
+
+def read_yaml(path: str, limit: int) -> Any:
+    """The YAML (or JSON) document of a whole UTF-8 file of at most ``limit`` bytes, as plain
+    data (:func:`parse_yaml`)."""
+    try:
+        text = read_capped(path, limit).decode("utf-8")
+    except UnicodeDecodeError:
+        raise UntrustedInputError(path, "", "is not UTF-8 text") from None
+    return parse_yaml(text, path)
+
+
+def parse_yaml(text: str, file: str) -> Any:
+    """``text`` through ``yaml.safe_load``: mappings, lists, strings, numbers, booleans, null
+    and dates only (no tag builds an object); not YAML is an error naming ``file``."""
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except (yaml.YAMLError, RecursionError) as e:
+        raise UntrustedInputError(file, "", f"is not valid YAML ({shown(' '.join(str(e).split()), 160)})") from None
 
 
 def read_line(stream: Any, limit: int = MAX_LINE_BYTES, where: str = "") -> bytes:

@@ -431,6 +431,8 @@ class Checkpointer:
             for k in sorted(current)
             if saved.get(k) != current.get(k)
         )
+        if not diffs:  # saved by a version without some of today's fields, all at their defaults
+            return
         flag = "resume_from" if self.ck.resume_from else "checkpoint_path"
         raise ConfigError(flag, f"{info.path} was written for a different model: {diffs}")
 

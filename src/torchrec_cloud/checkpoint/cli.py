@@ -20,7 +20,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from torchrec_cloud import storage
 from torchrec_cloud.checkpoint.dcp import read_metadata, verify
@@ -89,8 +89,7 @@ def _ls(ns: argparse.Namespace) -> int:
         return status
     if not infos:
         if not storage.exists(ns.path):
-            print(f"torchrec-cloud checkpoint ls: {ns.path} does not exist", file=sys.stderr)
-            return 1
+            raise CheckpointError(f"{ns.path} does not exist")
         print(f"no checkpoints under {ns.path}")
         return 0
     print(f"{'name':<16} {'step':>9} {'ranks':>5} {'size':>10}  {'created':<25} status")
@@ -125,8 +124,7 @@ def _inspect(ns: argparse.Namespace) -> int:
     ns.path = _checkpoint_at(ns.path)
     info = verify(ns.path) if ns.verify else inspect_checkpoint(ns.path)
     if info.commit is None and (info.damaged or not storage.exists(storage.join(ns.path, ".metadata"))):
-        print(f"torchrec-cloud checkpoint inspect: {ns.path}: {info.problem}", file=sys.stderr)
-        return 1
+        raise CheckpointError(f"{ns.path}: {info.problem}")
     tensors: list[dict[str, Any]] = []
     try:
         metadata = read_metadata(ns.path, info.commit)
@@ -178,13 +176,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     ls.add_argument("path", metavar="PATH")
     ls.add_argument("--json", action="store_true", help="one JSON array instead of a table")
     ls.add_argument("--verify", action="store_true", help=_VERIFY_HELP)
-    ls.set_defaults(func=_run_cli(_ls))
+    ls.set_defaults(func=_ls)
     insp = sub.add_parser("inspect", help="one checkpoint: position, ranks, size, tensors")
     insp.add_argument("path", metavar="PATH")
     insp.add_argument("--json", action="store_true", help="one JSON object instead of text")
     insp.add_argument("-v", "--verbose", action="store_true", help="list every tensor")
     insp.add_argument("--verify", action="store_true", help=_VERIFY_HELP)
-    insp.set_defaults(func=_run_cli(_inspect))
+    insp.set_defaults(func=_inspect)
     ver = sub.add_parser(
         "verify",
         help="read every file of a checkpoint (or of every checkpoint in a folder) back against its checksums",
@@ -192,7 +190,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "with the checksums recorded when it was saved. Exit 1 naming each damaged or incomplete one.",
     )
     ver.add_argument("path", metavar="PATH", help="a step_N checkpoint, a folder of them, or a run folder")
-    ver.set_defaults(func=_run_cli(_verify))
+    ver.set_defaults(func=_verify)
     return parser
 
 
@@ -203,8 +201,7 @@ def _verify(ns: argparse.Namespace) -> int:
     infos = [inspect_checkpoint(ns.path)] if _is_checkpoint(ns.path) else list_checkpoints(checkpoints_of(ns.path))
     if not infos:
         what = "does not exist" if not storage.exists(ns.path) else "holds no checkpoint"
-        print(f"torchrec-cloud checkpoint verify: error: {ns.path} {what}", file=sys.stderr)
-        return 1
+        raise CheckpointError(f"{ns.path} {what}")
     bad = 0
     for info in infos:
         checked = verify(info.path) if info.complete else info
@@ -215,14 +212,3 @@ def _verify(ns: argparse.Namespace) -> int:
             bad += 1
             print(f"torchrec-cloud checkpoint verify: error: {line}", file=sys.stderr)
     return 1 if bad else 0
-
-
-def _run_cli(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    def run(ns: argparse.Namespace) -> int:
-        try:
-            return fn(ns)
-        except (storage.StorageError, CheckpointError) as e:
-            print(f"torchrec-cloud checkpoint {ns.action}: error: {e}", file=sys.stderr)
-            return 1
-
-    return run

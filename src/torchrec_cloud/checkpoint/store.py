@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from torchrec_cloud import checksum, storage
 from torchrec_cloud.config import ConfigError
+from torchrec_cloud.errors import CommandError
 from torchrec_cloud.untrusted import (
     MAX_FILE_BYTES,
     Fields,
@@ -60,7 +61,7 @@ FORMAT_VERSION = 2  # of COMMIT.json; 2 added "checksums", 1 recorded sizes only
 _NAME = re.compile(r"^step_(\d+)$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(CommandError, RuntimeError):
     """A checkpoint could not be written or read."""
 
 

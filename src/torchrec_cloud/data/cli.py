@@ -1,26 +1,33 @@
-"""``torchrec-cloud data preprocess``: Criteo TSV (plain or .gz, local or in a bucket) to the
-binary shards and manifest that ``train --dataset_path`` reads; ``data verify``: every shard
-of such a folder read back against the sizes and checksums in its manifest::
+"""``torchrec-cloud data``: your events (Parquet, CSV/TSV) or Criteo's TSV to the shards that
+``train --dataset_path`` reads::
 
-    torchrec-cloud data preprocess --format kaggle --input train.txt --output /data/kaggle \\
-        --num_embeddings 10000000
+    torchrec-cloud data schema --input events.parquet --output schema.yaml      # propose, then edit
+    torchrec-cloud data preprocess --schema schema.yaml --input s3://bucket/events/ \
+        --output s3://bucket/events-shards --split_by ts --val_from 2024-03-01 --test_from 2024-03-15
+    torchrec-cloud data preprocess --format kaggle --input train.txt --output /data/kaggle \
+        --num_embeddings 10000000                                                # Criteo, the built-in schema
     torchrec-cloud data verify s3://bucket/criteo-1tb      # exit 1 naming a damaged shard
 
-Bad flags end with one line naming the flag (exit 2); bad input with ``FILE:LINE: what is
-wrong`` (exit 1). See :mod:`~torchrec_cloud.data.criteo_preprocess` and docs/data.md.
+Many machines: ``--shares N --share_index I`` (or a Kubernetes Indexed Job's
+``JOB_COMPLETION_INDEX``) converts share I of the inputs; see
+:mod:`~torchrec_cloud.data.preprocess`. Bad flags end with one line naming the flag (exit 2);
+bad input with ``FILE:LINE: what is wrong`` (exit 1). docs/data.md has the details.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any, Optional
 
 from torchrec_cloud import counted, storage
 from torchrec_cloud.config import ConfigError
 from torchrec_cloud.data.criteo_format import CAT_FEATURES
-from torchrec_cloud.data.criteo_parse import PreprocessError
-from torchrec_cloud.data.criteo_preprocess import Options, preprocess
+from torchrec_cloud.progress import Progress
+
+CRITEO_ONLY = ("num_embeddings", "num_embeddings_per_feature", "chunk_mb")
+SCHEMA_ONLY = ("split_by", "val_from", "test_from", "shares", "share_index")
 
 
 def _sizes(ns: argparse.Namespace) -> Optional[list[int]]:
@@ -44,35 +51,102 @@ def _sizes(ns: argparse.Namespace) -> Optional[list[int]]:
 
 
 def cmd_preprocess(ns: argparse.Namespace) -> int:
-    sizes = _sizes(ns)
-    if ns.chunk_mb <= 0:
-        raise ConfigError("chunk_mb", f"must be > 0, got {ns.chunk_mb}")
-    if ns.rows_per_shard <= 0:
+    if (ns.format is None) == (ns.schema is None):
+        raise ConfigError("schema", "give --schema FILE (your data) or --format kaggle|terabyte (Criteo), one of them")
+    if ns.output is None:
+        raise ConfigError("output", "is required: the folder or URL to write the shards to")
+    if ns.rows_per_shard is not None and ns.rows_per_shard <= 0:
         raise ConfigError("rows_per_shard", f"must be > 0, got {ns.rows_per_shard}")
     if ns.workers < 0:
         raise ConfigError("workers", f"must be >= 0, got {ns.workers}")
+    given = [f for f in (SCHEMA_ONLY if ns.format else CRITEO_ONLY) if getattr(ns, f) is not None]
+    if given:
+        other = "--schema" if ns.format else "--format (Criteo)"
+        raise ConfigError(given[0], f"applies with {other} only")
+    if ns.schema is not None:
+        return _preprocess_schema(ns)
+    return _preprocess_criteo(ns)
+
+
+def _share(ns: argparse.Namespace) -> Optional[tuple[int, int]]:
+    """``(index, count)`` of this run's share of the inputs, or None for all of them."""
+    if ns.shares is None:
+        if ns.share_index is not None:
+            raise ConfigError("share_index", "needs --shares N")
+        return None
+    if ns.shares <= 0:
+        raise ConfigError("shares", f"must be > 0, got {ns.shares}")
+    index = ns.share_index
+    if index is None:
+        env = os.environ.get("JOB_COMPLETION_INDEX")
+        if env is None or not env.strip().isdigit():
+            raise ConfigError("share_index", "--shares needs --share_index I (or JOB_COMPLETION_INDEX, as a Kubernetes Indexed Job sets)")
+        index = int(env)
+    if not 0 <= index < ns.shares:
+        raise ConfigError("share_index", f"must be in 0..{ns.shares - 1}, got {index}")
+    return index, ns.shares
+
+
+def _preprocess_schema(ns: argparse.Namespace) -> int:
+    from torchrec_cloud.data import preprocess as own
+    from torchrec_cloud.data.schema import load_schema, split_from_flags
+    from torchrec_cloud.data.tabular import expand
+
+    share = _share(ns)
+    schema = load_schema(ns.schema)
+    split = split_from_flags(schema, ns.split_by, ns.val_from, ns.test_from)
+    inputs = expand(list(ns.input))
+    opts = own.Options(schema, inputs, ns.output, split, ns.on_bad_line, ns.rows_per_shard or 500_000)
+    progress = Progress("preprocess", "rows", enabled=not ns.no_progress)
+    result = own.preprocess(opts, workers=ns.workers or (os.cpu_count() or 1), share=share, wait_s=ns.wait_s,
+                            progress=progress)  # fmt: skip
+    progress.close()
+    m = result.manifest
+    if result.already_complete:
+        print(f"{ns.output} is already complete ({m['rows']} rows in {len(m['shards'])} shards); nothing to do")
+        return 0
+    if m is None:
+        index, count = share or (0, 1)
+        print(f"share {index} of {count}: converted {result.converted} input(s) in {result.seconds:.1f}s; the "
+              "manifest is written by the last share to finish (or run the command again without --shares)")  # fmt: skip
+        return 0
+    rows = {k: sum(e - s for _, s, e in v) for k, v in m["splits"].items()}
+    rate = m["rows"] / result.seconds if result.seconds > 0 else float("nan")
+    print(f"wrote {m['rows']} rows in {len(m['shards'])} shards to {ns.output} ({result.seconds:.1f}s, {rate:,.0f} rows/s; "
+          f"train {rows['train']}, val {rows['val']}, test {rows['test']}); tables: "
+          + ", ".join(f"{n} {s}" for n, s in zip(m["features"]["sparse"], m["transforms"]["table_sizes"])))  # fmt: skip
+    empty = [k for k, v in rows.items() if v == 0]
+    if empty:
+        print(f"note: the {' and '.join(empty)} split(s) have no rows; training needs all three (see --split_by)")
+    _print_skipped(m["skipped_rows"], "row", m["skipped_examples"])
+    return 0
+
+
+def _preprocess_criteo(ns: argparse.Namespace) -> int:
+    from torchrec_cloud.data.criteo_preprocess import Options, preprocess
+
+    sizes = _sizes(ns)
+    chunk_mb = 64.0 if ns.chunk_mb is None else ns.chunk_mb
+    if chunk_mb <= 0:
+        raise ConfigError("chunk_mb", f"must be > 0, got {ns.chunk_mb}")
     if ns.format == "terabyte" and len(ns.input) < 2:
         raise ConfigError(
             "input",
             "--format terabyte needs at least two day files: the last day is split into "
             "validation and test, the others are training data",
         )
-    try:
-        input_sizes = [storage.size(p) for p in ns.input]
-        opts = Options(
-            dataset=ns.format,
-            inputs=list(ns.input),
-            input_sizes=input_sizes,
-            output=ns.output,
-            num_embeddings_per_feature=sizes,
-            on_bad_line=ns.on_bad_line,
-            chunk_bytes=int(ns.chunk_mb * (1 << 20)),
-            rows_per_shard=ns.rows_per_shard,
-        )
-        result = preprocess(opts, workers=ns.workers, progress=not ns.no_progress)
-    except (PreprocessError, storage.StorageError) as e:
-        print(f"torchrec-cloud data preprocess: error: {e}", file=sys.stderr)
-        return 1
+    input_sizes = [storage.size(p) for p in ns.input]
+    opts = Options(
+        dataset=ns.format,
+        inputs=list(ns.input),
+        input_sizes=input_sizes,
+        output=ns.output,
+        num_embeddings_per_feature=sizes,
+        on_bad_line=ns.on_bad_line,
+        chunk_bytes=int(chunk_mb * (1 << 20)),
+        rows_per_shard=ns.rows_per_shard or 500_000,
+    )
+    result = preprocess(opts, workers=ns.workers, progress=not ns.no_progress)
     m = result.manifest
     if result.already_complete:
         print(f"{ns.output} is already complete ({counted(m['rows'], 'row')} in {counted(len(m['shards']), 'shard')}); "
@@ -86,25 +160,54 @@ def cmd_preprocess(ns: argparse.Namespace) -> int:
     )
     if result.resumed_shards:
         print(f"resumed: {result.resumed_shards} shard(s) were already done and kept")
-    if m["skipped_lines"]:
-        print(f"skipped {m['skipped_lines']} bad line(s); first ones:")
-        for line in m["skipped_examples"][:5]:
+    _print_skipped(m["skipped_lines"], "line", m["skipped_examples"])
+    return 0
+
+
+def _print_skipped(count: int, what: str, examples: list[str]) -> None:
+    if count:
+        print(f"skipped {count} bad {what}(s); first ones:")
+        for line in examples[:5]:
             print(f"  {line}")
+
+
+def cmd_schema(ns: argparse.Namespace) -> int:
+    from torchrec_cloud.data.infer import propose
+    from torchrec_cloud.data.schema import parse_schema
+    from torchrec_cloud.data.tabular import expand
+    from torchrec_cloud.untrusted import parse_yaml
+
+    if ns.rows <= 0:
+        raise ConfigError("rows", f"must be > 0, got {ns.rows}")
+    path = expand([ns.input])[0]
+    text, notes = propose(path, ns.rows)
+    if "CHANGE_ME" not in text:
+        parse_schema(parse_yaml(text, "the proposed schema"), "the proposed schema")  # it loads as written
+    if ns.output is None:
+        sys.stdout.write(text)
+    else:
+        storage.write_bytes(ns.output, text.encode())
+        print(f"wrote {ns.output}: read it, edit it, then: torchrec-cloud data preprocess --schema {ns.output} "
+              f"--input ... --output ...")  # fmt: skip
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     return 0
 
 
 def cmd_verify(ns: argparse.Namespace) -> int:
     from torchrec_cloud.data.criteo_format import load_manifest, verify_shards
+    from torchrec_cloud.data.dataset import is_schema_dataset, load_dataset, read_manifest, verify_files
+    from torchrec_cloud.errors import CommandError
 
     try:
-        manifest = load_manifest(ns.path)
-        report = verify_shards(ns.path, manifest)
-    except storage.StorageError as e:
-        print(f"torchrec-cloud data verify: error: {e}", file=sys.stderr)
-        return 1
+        raw = read_manifest(ns.path)
+        if is_schema_dataset(raw):
+            ds = load_dataset(ns.path, raw, check_files=False)
+            report = verify_files(ns.path, ds.shards)
+        else:
+            report = verify_shards(ns.path, load_manifest(ns.path))
     except ConfigError as e:  # no manifest, or not ours: what --dataset_path would say, without the flag
-        print(f"torchrec-cloud data verify: error: {str(e).removeprefix(f'--{e.flag}: ')}", file=sys.stderr)
-        return 1
+        raise CommandError(str(e).removeprefix(f"--{e.flag}: ")) from None
     for problem in report["problems"]:
         print(f"torchrec-cloud data verify: error: {problem}", file=sys.stderr)
     if report["problems"]:
@@ -122,40 +225,65 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from torchrec_cloud.config import _int_list
 
     parser = subparsers.add_parser(
-        "data", help="prepare Criteo data for training (preprocess TSV into binary shards)",
-        description="Prepare Criteo data for --dataset_path.",
+        "data", help="prepare data for training: propose a schema, preprocess Parquet/CSV or Criteo TSV into shards",
+        description="Prepare data for train --dataset_path: your events (Parquet, CSV) with a schema, or Criteo's TSV.",
     )
     sub = parser.add_subparsers(dest="data_command", metavar="ACTION", parser_class=type(parser))
     sub.required = True
+    sch = sub.add_parser(
+        "schema",
+        help="propose a schema (YAML) from a Parquet or CSV file's columns, to edit",
+        description="Propose a schema from a Parquet or CSV/TSV file (local or in a bucket): the label, dense and "
+        "sparse features and a split, each with a comment saying why. Edit it, then give it to data preprocess "
+        "--schema. See docs/data.md.",
+    )
+    sch.add_argument("--input", required=True, metavar="FILE_OR_URL", help="a Parquet or CSV/TSV file (or a folder: its first file)")
+    sch.add_argument("--output", default=None, metavar="FILE", help="where to write the YAML (default: print it)")
+    sch.add_argument("--rows", type=int, default=100_000, help="rows to sample")
+    sch.set_defaults(func=cmd_schema)
     p = sub.add_parser(
         "preprocess",
-        help="convert Criteo Kaggle/1TB TSV (plain or .gz) into binary shards + manifest",
-        description="Convert Criteo Kaggle train.txt or 1TB day files (plain or .gz, local "
-        "or in a bucket) into binary shards and a manifest for train --dataset_path. "
-        "See docs/data.md for the format.",
+        help="convert Parquet/CSV (with --schema) or Criteo TSV (with --format) into binary shards + manifest",
+        description="Convert your events (Parquet or CSV/TSV, with --schema) or Criteo Kaggle train.txt / 1TB day "
+        "files (--format) into binary shards and a manifest for train --dataset_path. Local paths or s3://, gs://, "
+        "az:// URLs. Resumes an interrupted run. See docs/data.md.",
     )
-    p.add_argument("--format", required=True, choices=["kaggle", "terabyte"],
-                   help="kaggle: train.txt (last 1/7 held out for val/test); terabyte: "
-                        "day_0..day_23 (the last day split into val/test)")
+    p.add_argument("--schema", default=None, metavar="FILE", help="the schema of your data (YAML; see data schema)")
+    p.add_argument("--format", default=None, choices=["kaggle", "terabyte"],
+                   help="Criteo's built-in schema: kaggle: train.txt (last 1/7 held out for val/test); terabyte: "
+                        "day_0..day_23 (the last day split into val/test)")  # fmt: skip
     p.add_argument("--input", required=True, nargs="+", metavar="FILE_OR_URL",
-                   help="TSV files, plain or .gz, local paths or s3:// gs:// az:// URLs")
-    p.add_argument("--output", required=True, metavar="DIR_OR_URL",
+                   help="input files (with --schema, a folder means the .parquet/.csv/.tsv files under it), "
+                        "local paths or s3:// gs:// az:// URLs")  # fmt: skip
+    p.add_argument("--output", default=None, metavar="DIR_OR_URL",
                    help="folder or URL for shards and manifest.json (resumes if it holds "
                         "an interrupted run with the same settings)")
+    p.add_argument("--split_by", default=None, metavar="COLUMN",
+                   help="--schema: rows with COLUMN < --val_from train, < --test_from validate, the rest test; "
+                        "`input`: by --input file (from the files named on); `hash:COLUMN`: by a stable hash of "
+                        "COLUMN as a fraction (default: the schema's split, else 80/10/10 by row)")  # fmt: skip
+    p.add_argument("--val_from", default=None, metavar="V", help="--schema: where validation starts (a value, a date, a file, a fraction)")
+    p.add_argument("--test_from", default=None, metavar="T", help="--schema: where test starts")
+    p.add_argument("--shares", type=int, default=None, metavar="N",
+                   help="--schema: the inputs are converted by N runs (machines, pods); this run does one share")
+    p.add_argument("--share_index", type=int, default=None, metavar="I",
+                   help="--schema: this run's share, 0..N-1 (default: $JOB_COMPLETION_INDEX, a Kubernetes Indexed Job's)")
+    p.add_argument("--wait_s", type=float, default=3600.0,
+                   help="--shares: seconds to wait for the other shares' vocabulary counts")
     p.add_argument("--num_embeddings", type=int, default=None,
-                   help="take every categorical id modulo N (table rows)")
+                   help="--format: take every categorical id modulo N (table rows)")
     p.add_argument("--num_embeddings_per_feature", type=_int_list, nargs="+", default=None,
-                   metavar="N,N,...", help="26 table sizes, one per categorical feature")
+                   metavar="N,N,...", help="--format: 26 table sizes, one per categorical feature")
     p.add_argument("--on_bad_line", choices=["error", "skip"], default="error",
-                   help="error: stop at the first bad line with FILE:LINE (exit 1); "
-                        "skip: leave bad lines out and report how many")
+                   help="error: stop at the first bad line or row with FILE:LINE (exit 1); "
+                        "skip: leave bad ones out and report how many")
     p.add_argument("--workers", type=int, default=0,
                    help="processes to use (default 0: all cores)")
-    p.add_argument("--chunk_mb", type=float, default=64.0,
-                   help="plain files are cut into ranges of this many MiB, one shard each")
-    p.add_argument("--rows_per_shard", type=int, default=500_000,
-                   help="gzip files: input lines per shard")
-    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    p.add_argument("--chunk_mb", type=float, default=None,
+                   help="--format: plain files are cut into ranges of this many MiB, one shard each (default 64)")
+    p.add_argument("--rows_per_shard", type=int, default=None,
+                   help="input rows per shard (--format: of gzip files) (default 500000)")
+    p.add_argument("--no_progress", action="store_true", help="no progress bar or progress lines")
     p.set_defaults(func=cmd_preprocess)
     v = sub.add_parser(
         "verify",

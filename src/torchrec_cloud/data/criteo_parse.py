@@ -18,9 +18,10 @@ from typing import Any, Optional
 import numpy as np
 
 from torchrec_cloud.data.criteo_format import CAT_FEATURES, DENSE_NAMES, FIELDS, INT32_MAX, INT_FEATURES, SPARSE_NAMES
+from torchrec_cloud.errors import CommandError
 
 
-class PreprocessError(RuntimeError):
+class PreprocessError(CommandError, RuntimeError):
     """Input that cannot be converted (bad line, empty or truncated file)."""
 
 

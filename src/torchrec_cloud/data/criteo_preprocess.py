@@ -15,7 +15,8 @@ Lines are parsed by :mod:`~torchrec_cloud.data.criteo_parse` into the records of
 
 The conversion streams: plain files are cut into byte ranges (``--chunk_mb``) and gzip
 files are read start to end, so memory stays bounded whatever the input size; work is
-spread over processes (``--workers``, default all cores). Each finished shard gets a
+spread over processes (``--workers``, default all cores); progress is a bar in a terminal and
+a plain line now and then in a log. Each finished shard gets a
 ``.done`` marker, so running the same command again after an interruption converts only
 what is missing; ``manifest.json`` is written last, when every shard is there.
 
@@ -31,7 +32,6 @@ import json
 import multiprocessing as mp
 import os
 import re
-import sys
 import threading
 import time
 import zlib
@@ -42,11 +42,9 @@ import numpy as np
 
 from torchrec_cloud import checksum, storage
 from torchrec_cloud.data.criteo_format import (
-    CAT_FEATURES,
     DENSE_NAMES,
     FORMAT_NAME,
     FORMAT_VERSION,
-    INT_FEATURES,
     MANIFEST,
     PLAN,
     SHARD_DIR,
@@ -56,6 +54,7 @@ from torchrec_cloud.data.criteo_format import (
     sparse_dtype_for,
 )
 from torchrec_cloud.data.criteo_parse import BadLineError, PreprocessError, parse_block
+from torchrec_cloud.data.dataset import record_section
 from torchrec_cloud.untrusted import (
     MAX_FILE_BYTES,
     MAX_LINE_BYTES,
@@ -518,7 +517,6 @@ def _manifest(opts: Options, markers: list[dict]) -> dict:
                 "dense_min": min(mins) if mins else 0,
             }
         )
-    dtype = record_dtype(opts.sparse_dtype)
     return {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
@@ -526,15 +524,7 @@ def _manifest(opts: Options, markers: list[dict]) -> dict:
         "rows": sum(s["rows"] for s in sources),
         "skipped_lines": sum(s["skipped_lines"] for s in sources),
         "skipped_examples": skipped_examples[:20],
-        "record": {
-            "byte_order": "little",
-            "bytes_per_row": dtype.itemsize,
-            "fields": [
-                {"name": "label", "dtype": "int32", "shape": []},
-                {"name": "dense", "dtype": "int32", "shape": [INT_FEATURES]},
-                {"name": "sparse", "dtype": opts.sparse_dtype, "shape": [CAT_FEATURES]},
-            ],
-        },
+        "record": record_section(record_dtype(opts.sparse_dtype)),
         "features": {"label": "label", "dense": DENSE_NAMES, "sparse": SPARSE_NAMES},
         "dense_encoding": "raw integers, missing = 0; the reader applies the log transform",
         "num_embeddings_per_feature": opts.num_embeddings_per_feature,
@@ -578,7 +568,7 @@ def preprocess(opts: Options, workers: int = 0, progress: bool = True) -> Result
         manifest_path = storage.join(opts.output, MANIFEST)
         if storage.exists(manifest_path):
             try:
-                manifest = check_manifest(_read_json(manifest_path), manifest_path)
+                manifest = check_manifest(_read_json(manifest_path), opts.output)
             except UntrustedInputError as e:
                 raise PreprocessError(f"{e}; delete it, or use another --output") from None
             return Result(manifest, time.perf_counter() - t0, len(manifest["shards"]), True)
@@ -596,19 +586,16 @@ def preprocess(opts: Options, workers: int = 0, progress: bool = True) -> Result
         if n.startswith(".tmp-"):  # left by a run killed while writing a shard
             storage.remove(storage.join(opts.output, SHARD_DIR, n))
 
-    bar = None
-    if progress:
-        from tqdm import tqdm
+    from torchrec_cloud.progress import Progress
 
-        bar = tqdm(unit=" rows", unit_scale=True, desc="preprocess", dynamic_ncols=True, file=sys.stderr)
+    bar = Progress("preprocess", "rows", enabled=progress)  # a bar in a terminal, plain lines in a log
     markers: list[dict] = []
     if workers <= 1:
         global _progress
 
         class _Direct:
             def put(self, rows: int) -> None:
-                if bar is not None:
-                    bar.update(rows)
+                bar.update(rows)
 
         _progress = _Direct()
         try:
@@ -627,15 +614,12 @@ def preprocess(opts: Options, workers: int = 0, progress: bool = True) -> Result
             pending = pool.map_async(_worker, [(opts, t) for t in tasks], chunksize=1)
             while True:
                 while not queue.empty():
-                    n = queue.get()
-                    if bar is not None:
-                        bar.update(n)
+                    bar.update(queue.get())
                 if pending.ready():
                     break
                 pending.wait(0.2)
             markers = [m for ms in pending.get() for m in ms]
-    if bar is not None:
-        bar.close()
+    bar.close()
     manifest = _manifest(opts, markers)
     if manifest["rows"] == 0:
         raise PreprocessError("no rows were converted: every line was skipped as bad")

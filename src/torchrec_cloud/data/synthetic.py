@@ -27,7 +27,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_cloud.config import JobConfig
-from torchrec_cloud.data import SPLITS, DataSource, feature_names, keyed_jagged_tensor
+from torchrec_cloud.data import SPLITS, DataSource, keyed_jagged_tensor
 from torchrec_cloud.data.hashing import hashed_normal, mix
 
 
@@ -95,7 +95,7 @@ class SyntheticSource(DataSource):
         self.num_eval_batches = cfg.data.num_eval_batches
         self.table_sizes = torch.tensor(cfg.model.table_sizes, dtype=torch.int64)
         self.num_dense = cfg.model.num_dense_features
-        self.keys = feature_names(cfg.model.num_sparse_features)
+        self.keys = cfg.model.sparse_names
         self.teacher = Teacher(self.num_dense, cfg.model.table_sizes, self.seed)
         self.multi_hot_sizes = cfg.data.multi_hot_sizes
         self.multi_hot_pooling = cfg.data.multi_hot_pooling

@@ -13,8 +13,10 @@ A model directory (a local folder or a bucket URL)::
     scorer.pt           TorchScript: (dense [B, 13] float, ids [B, 26] int64) -> probabilities [B]
     weights.pt          the unsharded float32 state dict of TorchRec's DLRMTrain
                         (torch.save; load with torch.load(..., weights_only=True))
+    vocab/NAME.json     a schema's dataset only: the vocabularies scoring raw rows needs
     model_config.json   written last: format, model config, feature spec, source checkpoint,
-                        quantization and what it costs in AUC
+                        quantization and what it costs in AUC; for a schema's dataset its
+                        schema and transforms (table sizes, vocabulary files, dense statistics)
 
 See docs/serving.md.
 """
@@ -24,11 +26,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from typing import Any, Callable
 
 from torchrec_cloud import storage
 from torchrec_cloud.config import ConfigError, DataConfig, JobConfig, ModelConfig
+from torchrec_cloud.errors import CommandError
 from torchrec_cloud.untrusted import MAX_FILE_BYTES, Fields, UntrustedInputError, integer, read_json, shown, text
 
 MODEL_FORMAT = "torchrec-cloud-model"
@@ -38,7 +40,7 @@ SCORER_FILE = "scorer.pt"
 WEIGHTS_FILE = "weights.pt"
 
 
-class ServingError(RuntimeError):
+class ServingError(CommandError, RuntimeError):
     """A checkpoint, model directory or dataset that export or predict cannot use."""
 
 
@@ -79,6 +81,10 @@ def check_model_config(config: dict[str, Any], path: str) -> dict[str, Any]:
         model.int(key, lo=1, hi=1 << 20, optional=key.startswith("dcn"))
     model.int("num_embeddings", lo=1)
     model.ints("num_embeddings_per_feature", 1 << 20, lo=1, optional=True)
+    for i, name in enumerate(model.list("feature_names", 1 << 20, optional=True) or []):
+        text(name, path, f"model.feature_names[{i}]", max_len=64)
+    for i, pooling in enumerate(model.list("pooling", 1 << 20, optional=True) or []):
+        text(pooling, path, f"model.pooling[{i}]", choices=("sum", "mean"))
     for key in ("dense_arch_layer_sizes", "over_arch_layer_sizes", "interaction_branch1_layer_sizes",
                 "interaction_branch2_layer_sizes"):  # fmt: skip
         model.ints(key, 64, lo=1, hi=1 << 20, optional=key.startswith("interaction"))
@@ -118,19 +124,15 @@ def saved_job_config(saved: dict[str, Any], where: str) -> JobConfig:
 def add_command(
     subparsers: argparse._SubParsersAction, name: str, summary: str, doc: str, run: Callable[[argparse.Namespace], int]
 ) -> argparse.ArgumentParser:
-    """The parser of ``torchrec-cloud NAME``, running ``run``: a checkpoint, model or dataset
-    it cannot use ends in one line naming it, exit 1 (a bad flag: ConfigError, exit 2)."""
-    from torchrec_cloud.checkpoint.store import CheckpointError
+    """The parser of ``torchrec-cloud NAME``, running ``run``. A checkpoint, model or dataset it
+    cannot use raises a ServingError (a CommandError): ``cli.main`` prints it as one line, exit 1
+    (a bad flag: ConfigError, exit 2)."""
 
     def main(ns: argparse.Namespace) -> int:
         from torchrec_cloud.train import quiet_library_warnings
 
         quiet_library_warnings()  # torch.fx's is_fx_tracing notice, TorchRec's internals: nothing to act on
-        try:
-            return run(ns)
-        except (ServingError, CheckpointError, storage.StorageError) as e:
-            print(f"torchrec-cloud {name}: error: {e}", file=sys.stderr)
-            return 1
+        return run(ns)
 
     parser = subparsers.add_parser(name, help=summary, description=doc,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -117,33 +117,33 @@ def scorer_of(model: torch.nn.Module, quantize: str) -> torch.jit.ScriptModule:
     """The TorchScript scoring module of an unsharded DLRMTrain (see :mod:`.scorer`)."""
     dlrm = model.model
     ebc = dlrm.sparse_arch.embedding_bag_collection
-    tables = [ebc.embedding_bags[c.name].weight for c in ebc.embedding_bag_configs()]
-    scorer = Scorer(dlrm.dense_arch, dlrm.inter_arch, dlrm.over_arch, Tables(tables, quantize))
+    from torchrec.modules.embedding_configs import PoolingType
+
+    configs = ebc.embedding_bag_configs()
+    tables = [ebc.embedding_bags[c.name].weight for c in configs]
+    mean = [c.pooling == PoolingType.MEAN for c in configs]
+    scorer = Scorer(dlrm.dense_arch, dlrm.inter_arch, dlrm.over_arch, Tables(tables, quantize, mean))
     for p in scorer.parameters():
         p.requires_grad_(False)  # a server scores; no autograd graph per request
     return torch.jit.script(scorer.eval())
 
 
 def check_against_torchrec(model: torch.nn.Module, scorer: torch.jit.ScriptModule, cfg: ModelConfig) -> None:
-    """The exported module must give TorchRec's logits on a random batch: a wrong mapping of
-    any weight fails the export here rather than serving wrong scores."""
+    """The exported module must give TorchRec's logits on a random batch of bags of 0 to 3 ids:
+    a wrong mapping of any weight (or pooling) fails the export here rather than serving wrong
+    scores."""
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    from torchrec_cloud.data import feature_names
 
     g = torch.Generator().manual_seed(0)
     b = 64
     dense = torch.rand(b, cfg.num_dense_features, generator=g)
-    ids = torch.stack([torch.randint(0, n, (b,), generator=g) for n in cfg.table_sizes], dim=1)
-    kjt = KeyedJaggedTensor(
-        keys=feature_names(cfg.num_sparse_features),
-        values=ids.t().reshape(-1),
-        lengths=torch.ones(ids.numel(), dtype=torch.int32),
-        stride=b,
-    )
+    lengths = torch.randint(0, 4, (cfg.num_sparse_features * b,), generator=g, dtype=torch.int32)
+    per_table = lengths.view(cfg.num_sparse_features, b).sum(dim=1).tolist()
+    values = torch.cat([torch.randint(0, n, (int(k),), generator=g) for n, k in zip(cfg.table_sizes, per_table)])
+    kjt = KeyedJaggedTensor(keys=cfg.sparse_names, values=values, lengths=lengths, stride=b)
     with torch.no_grad():
         expected = model.model(dense, kjt).view(-1)
-        got = scorer.logits(dense, ids)
+        got = scorer.logits_of_bags(dense, values, lengths)
     if not torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
         raise ServingError(
             f"the exported module disagrees with TorchRec's model (max |diff| {float((got - expected).abs().max()):.3g})"
@@ -205,13 +205,14 @@ def export(
     weights = io.BytesIO()
     torch.save({k: v.detach().contiguous() for k, v in model.state_dict().items()}, weights)
 
+    transforms, vocab_files = dataset_transforms(cfg)
     config: dict[str, Any] = {
         "format": MODEL_FORMAT,
         "version": MODEL_VERSION,
         "model": dataclasses.asdict(cfg.model),
         "features": {
             "dense": cfg.model.num_dense_features,
-            "sparse": _feature_names(cfg.model.num_sparse_features),
+            "sparse": cfg.model.sparse_names,
             "table_sizes": cfg.model.table_sizes,
             "embedding_dim": cfg.model.embedding_dim,
             "dense_transform": cfg.data.dense_transform,
@@ -223,6 +224,7 @@ def export(
         "quantize": quantize,
         "files": {SCORER_FILE: len(scorer_bytes), WEIGHTS_FILE: len(weights.getvalue())},
         "scorer_bytes_fp32": len(_module_bytes(fp32)) if quantize != "none" else len(scorer_bytes),
+        **transforms,
     }
     if quantize != "none":
         try:
@@ -236,16 +238,37 @@ def export(
         storage.remove(config_path)  # the folder is a model again only once all is rewritten
     storage.write_bytes(storage.join(output, SCORER_FILE), scorer_bytes)
     storage.write_bytes(storage.join(output, WEIGHTS_FILE), weights.getvalue())
+    for path, data in vocab_files.items():
+        storage.write_bytes(storage.join(output, *path.split("/")), data)
     storage.write_bytes(config_path, json.dumps(config, indent=1).encode())
     config["seconds"] = time.perf_counter() - start
     _report(config, output, log)
     return config
 
 
-def _feature_names(n: int) -> list[str]:
-    from torchrec_cloud.data import feature_names
+def dataset_transforms(cfg: JobConfig) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """What scoring raw rows needs from a dataset made from a schema: the model config's
+    ``schema`` and ``transforms`` (table sizes, vocabulary files, dense statistics; hashing
+    is by the schema's rule) and the vocabulary files' bytes, checked against the manifest.
+    Nothing for Criteo or synthetic data (predict reads a raw Criteo TSV by its own rules)."""
+    path = cfg.data.dataset_path
+    if path is None:
+        return {}, {}
+    from torchrec_cloud.data.dataset import is_schema_dataset, load_dataset, read_manifest, vocabulary_bytes
+    from torchrec_cloud.untrusted import UntrustedInputError
 
-    return feature_names(n)
+    try:
+        manifest = read_manifest(path)
+        if not is_schema_dataset(manifest):
+            return {}, {}
+        ds = load_dataset(path, manifest, check_files=False)
+    except (ConfigError, UntrustedInputError, storage.StorageError) as e:
+        raise ServingError(f"the model's transforms come from its dataset's manifest, and {_first_line(e)} "
+                           "(give the dataset's folder with --dataset_path)") from None  # fmt: skip
+    if ds.table_sizes != cfg.model.table_sizes:
+        raise ServingError(f"{path} has tables of {ds.table_sizes} rows, the checkpoint {cfg.model.table_sizes}: not its dataset")
+    files = vocabulary_bytes(path, ds.vocab_files)  # sizes and checksums as the manifest records them
+    return {"schema": manifest["schema"], "transforms": manifest["transforms"]}, files
 
 
 def _mib(n: int) -> str:

@@ -1,17 +1,22 @@
-"""``torchrec-cloud predict MODEL_DIR --dataset_path D --output F.csv``: score a dataset with an
-exported model, one click probability per row::
+"""``torchrec-cloud predict MODEL_DIR --input FILE --output F.csv``: score raw rows, or a
+preprocessed dataset, with an exported model, one click probability per row::
 
+    torchrec-cloud predict models/ev --input new_events.parquet --output scores.csv --json
     torchrec-cloud predict models/q --dataset_path /data/criteo --split val --output val.csv
     torchrec-cloud predict s3://bucket/models/q --dataset_path s3://bucket/criteo --split test --output test.csv --json
 
-The dataset is a folder or URL of preprocessed shards (``torchrec-cloud data preprocess``),
-or one raw Criteo TSV file (plain or ``.gz``), scored whole through preprocessing's parser
-with the model's table sizes, so its rows are exactly what training read from shards made
-of it (``--split`` then does not apply).
-Rows are read as training's evaluation reads them and scored with the exported TorchScript
-module, as a server would load it, so on the validation split the AUC and log loss are
-the training run's final validation figures. The last line printed carries them
-(``--json``: one JSON object with ``rows``, ``auc``, ``logloss``).
+``--input`` is one raw file: Parquet or CSV/TSV of a model trained on a schema's dataset,
+converted by the same transforms preprocessing applied (the schema, vocabularies and dense
+statistics that ``export`` put in the model folder; an id never seen in training goes to its
+table's out-of-vocabulary row), or a raw Criteo TSV (plain or ``.gz``) for a Criteo model,
+through preprocessing's parser with the model's table sizes. Either way its rows are exactly
+what training read from shards made of it, so the AUC equals that evaluation's.
+``--dataset_path`` scores a split of preprocessed shards (a raw Criteo file there works too,
+as before). Rows are read as training's evaluation reads them and scored with the exported
+TorchScript module, as a server would load it, so on the validation split the AUC and log
+loss are the training run's final validation figures. The last line printed carries them
+(``--json``: one JSON object with ``rows``, and ``auc``, ``logloss`` when the rows have the
+label); the CSV has ``probability,label`` per row (``probability`` alone without labels).
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import sys
 import time
 from typing import Any, Iterator, Optional, Sequence
 
@@ -28,6 +32,7 @@ import torch
 
 from torchrec_cloud import storage
 from torchrec_cloud.config import ConfigError, JobConfig
+from torchrec_cloud.errors import CommandError
 from torchrec_cloud.untrusted import UntrustedInputError, read_capped
 from torchrec_cloud.serving import (
     CONFIG_FILE,
@@ -51,18 +56,27 @@ def eval_source(cfg: JobConfig, batch_size: int, split: str = "val"):
 
         return SyntheticSource(cfg, 0, 1)
     from torchrec_cloud.data.criteo_reader import CriteoTSV, build_criteo_source, load_manifest
+    from torchrec_cloud.data.dataset import is_schema_dataset, load_dataset, read_manifest
+    from torchrec_cloud.data.reader import SchemaSource
 
+    needed = ("train", "val", "test") if split == "all" else (split,)
     if is_file(cfg.data.dataset_path):
         return CriteoTSV(cfg.data.dataset_path, batch_size=batch_size, table_sizes=cfg.model.table_sizes,
                          dense_transform=cfg.data.dense_transform, multi_hot_sizes=cfg.data.multi_hot_sizes,
                          multi_hot_pooling=cfg.data.multi_hot_pooling, seed=cfg.data.seed)  # fmt: skip
 
     try:
+        manifest = read_manifest(cfg.data.dataset_path)
+        if is_schema_dataset(manifest):
+            ds = load_dataset(cfg.data.dataset_path, manifest)
+            if ds.table_sizes != cfg.model.table_sizes or [f.name for f in ds.schema.sparse] != cfg.model.sparse_names:
+                raise ServingError(f"{cfg.data.dataset_path} does not fit the model: its features or tables differ")
+            return SchemaSource(ds, batch_size=batch_size, rank=0, world_size=1, splits=needed)
         load_manifest(cfg.data.dataset_path)
     except ConfigError as e:
         raise ServingError(str(e).split(": ", 1)[-1]) from None
     try:
-        return build_criteo_source(cfg, 0, 1, splits=("train", "val", "test") if split == "all" else (split,))
+        return build_criteo_source(cfg, 0, 1, splits=needed)
     except ConfigError as e:
         if e.flag == "batch_size":
             raise
@@ -82,7 +96,7 @@ def split_batches(source, split: str) -> Iterator[tuple[Any, int]]:
     """``(batch, valid_rows)`` of ``split``; ``all`` is every split the source has, in order."""
     from torchrec_cloud.data.criteo_parse import PreprocessError
 
-    if split == "file":  # a raw TSV, scored whole
+    if split == "file":  # a raw file, scored whole
         try:
             yield from source.eval_batches()
         except PreprocessError as e:
@@ -109,13 +123,13 @@ def score(
     total: Optional[int] = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor, float]:
     """Logits of every module over ``batches`` (``max_rows`` at most), the labels, seconds."""
-    from tqdm import tqdm
+    from torchrec_cloud.progress import Progress
 
     start = time.perf_counter()
     parts: list[list[torch.Tensor]] = [[] for _ in modules]
     labels, rows = [], 0
     limit = total if max_rows is None or total is None else min(total, max_rows)
-    bar = tqdm(total=limit, unit="rows", unit_scale=True, file=sys.stderr, disable=not progress, leave=False)
+    bar = Progress("predict", "rows", total=limit, enabled=progress)
     try:
         for batch, valid in batches:
             if max_rows is not None:
@@ -155,14 +169,16 @@ def load_scorer(model_dir: str, size: int) -> torch.jit.ScriptModule:
 
 def predict(
     model_dir: str,
-    dataset_path: str,
+    dataset_path: Optional[str],
     split: str,
     output: str,
     batch_size: int = 4096,
     progress: bool = True,
+    input: Optional[str] = None,  # noqa: A002 - the flag's name
 ) -> dict[str, Any]:
-    """Score ``split`` of ``dataset_path`` with the model in ``model_dir``, write one probability
-    per row to ``output`` (CSV: ``probability,label``) and return the metrics."""
+    """Score ``split`` of ``dataset_path``, or the raw file ``input``, with the model in
+    ``model_dir``; write one probability per row to ``output`` (CSV: ``probability,label``, or
+    ``probability`` for rows without labels) and return the metrics."""
     from torchrec_cloud.data.criteo_reader import CriteoTSV
     from torchrec_cloud.evaluation import binary_metrics
 
@@ -170,36 +186,101 @@ def predict(
         raise ConfigError("split", f"expected one of {', '.join(SPLITS)}, got {split!r}")
     config = read_model_config(model_dir)
     cfg = saved_job_config(config, storage.join(model_dir, CONFIG_FILE))
-    cfg.data.dataset_path = dataset_path
     scorer = load_scorer(model_dir, config["files"][SCORER_FILE])
-    source = eval_source(cfg, batch_size, split)
+    labelled = True
+    if input is not None and "transforms" in config:
+        source = RawRows(config, model_dir, input, batch_size, cfg)
+        labelled, split = source.labelled, "file"
+    else:
+        cfg.data.dataset_path = input if input is not None else dataset_path
+        source = eval_source(cfg, batch_size, split)
     if isinstance(source, CriteoTSV):
         split = "file"
     (logits,), labels, seconds = score([scorer], split_batches(source, split), None, progress, split_rows(source, split))
     probabilities = torch.sigmoid(logits.double())
-    table = np.column_stack([probabilities.numpy(), labels.numpy()])
     text = io.BytesIO()
-    np.savetxt(text, table, fmt=["%.7g", "%d"], delimiter=",", header="probability,label", comments="")
+    if labelled:
+        table = np.column_stack([probabilities.numpy(), labels.numpy()])
+        np.savetxt(text, table, fmt=["%.7g", "%d"], delimiter=",", header="probability,label", comments="")
+    else:
+        np.savetxt(text, probabilities.numpy()[:, None], fmt=["%.7g"], delimiter=",", header="probability", comments="")
     storage.write_bytes(output, text.getvalue())
-    metrics = binary_metrics(logits, labels)
-    return {
-        "split": split,
-        "rows": metrics["rows"],
-        "auc": metrics["auc"],
-        "logloss": metrics["logloss"],
-        "ne": metrics["ne"],
-        "seconds": seconds,
-        "rows_per_s": metrics["rows"] / max(seconds, 1e-9),
-        "output": output,
-        "quantize": config.get("quantize", "none"),
-    }
+    rows = int(logits.numel())
+    result: dict[str, Any] = {"split": split, "rows": rows}
+    if labelled:
+        metrics = binary_metrics(logits, labels)
+        result.update(auc=metrics["auc"], logloss=metrics["logloss"], ne=metrics["ne"])
+    result.update(seconds=seconds, rows_per_s=rows / max(seconds, 1e-9), output=output,
+                  quantize=config.get("quantize", "none"))  # fmt: skip
+    return result
+
+
+class RawRows:
+    """A raw Parquet or CSV file read as one held-out split of a model trained on a schema's
+    dataset: the model folder's transforms (``export`` wrote them), then the batches training
+    read (:func:`~torchrec_cloud.data.reader.batch_of`). A row that does not convert stops
+    with FILE:LINE and the column; rows without the label column are scored unlabelled."""
+
+    def __init__(self, config: dict[str, Any], model_dir: str, path: str, batch_size: int, cfg: JobConfig) -> None:
+        from torchrec_cloud.data.dataset import check_transforms, read_vocabularies
+        from torchrec_cloud.data.schema import parse_schema
+        from torchrec_cloud.data.tabular import Input
+        from torchrec_cloud.data.transforms import Transforms
+
+        where = storage.join(model_dir, CONFIG_FILE)
+        schema = parse_schema(config.get("schema"), f"{where} (schema)")
+        spec = check_transforms(config.get("transforms"), schema, where, "transforms")
+        if spec["table_sizes"] != cfg.model.table_sizes:
+            raise UntrustedInputError(where, "transforms.table_sizes",
+                                      f"{spec['table_sizes']} differ from the model's tables {cfg.model.table_sizes}")  # fmt: skip
+        self.transforms = Transforms(schema, read_vocabularies(model_dir, spec["vocab"], where), spec["dense_stats"])
+        self.path, self.batch_size = path, batch_size
+        probe = Input(path, schema, columns=[])
+        self.labelled = schema.label.column in probe.available()
+        self.input = Input(path, schema, columns=schema.columns_read(None, self.labelled))
+        self.keys = [f.name for f in schema.sparse]
+        self.singles = [k for k, f in enumerate(schema.sparse) if not f.list]
+        self.lists = [k for k, f in enumerate(schema.sparse) if f.list]
+        self.table_sizes = np.asarray(spec["table_sizes"], np.int64)
+
+    def eval_batches(self, split: str = "file") -> Iterator[tuple[Any, int]]:
+        from torchrec_cloud.data.dataset import Rows
+        from torchrec_cloud.data.reader import batch_of
+        from torchrec_cloud.data.tabular import BadRowError
+
+        t, bs = self.transforms, self.batch_size
+        try:
+            for first, table in self.input.batches():
+                if self.input.bad_lines:
+                    line, reason = self.input.bad_lines[0]
+                    raise BadRowError(self.path, line, reason)
+                enc = t.encode(table, None, labelled=self.labelled)
+                if enc.bad_count:
+                    row, reason = min(enc.bad.items())
+                    where = self.input.where(first + row)
+                    raise BadRowError(where.rsplit(":", 1)[0], int(where.rsplit(":", 1)[1]), reason)
+                rows = Rows(enc.records, enc.lists)
+                for lo in range(0, len(rows), bs):
+                    part = rows.slice(lo, min(lo + bs, len(rows)))
+                    yield batch_of(part, self.keys, self.singles, self.lists, self.table_sizes, self.path), len(part)
+            if self.input.bad_lines:
+                line, reason = self.input.bad_lines[0]
+                raise BadRowError(self.path, line, reason)
+        except TypeError as e:  # a Parquet column of a type the schema cannot read
+            raise ServingError(f"{self.path}: {e} (the file and the model's schema disagree)") from None
+        except ValueError as e:
+            if isinstance(e, CommandError):
+                raise
+            raise ServingError(f"{self.path}: {e}") from None
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     summary = "score a dataset with an exported model: one click probability per row, AUC and log loss"
     parser = add_command(subparsers, "predict", summary, __doc__, _main)
     parser.add_argument("model_dir", metavar="MODEL_DIR", help="a model directory written by `torchrec-cloud export`")
-    parser.add_argument("--dataset_path", required=True,
+    parser.add_argument("--input", default=None, metavar="FILE",
+                        help="one raw file to score: Parquet or CSV (a model of a schema's data), or Criteo TSV")  # fmt: skip
+    parser.add_argument("--dataset_path", default=None,
                         help="preprocessed shards (a folder or s3://, gs://, az:// URL), or one raw Criteo TSV file")  # fmt: skip
     parser.add_argument("--split", choices=SPLITS, default="val", help="rows to score (all: train, val and test)")
     parser.add_argument("--output", required=True, metavar="FILE", help="CSV to write: probability,label per row")
@@ -212,7 +293,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def _main(ns: argparse.Namespace) -> int:
     if ns.batch_size <= 0:
         raise ConfigError("batch_size", f"must be > 0, got {ns.batch_size}")
-    result = predict(ns.model_dir, ns.dataset_path, ns.split, ns.output, ns.batch_size, not ns.no_progress)
+    if (ns.input is None) == (ns.dataset_path is None):
+        raise ConfigError("input", "give --input FILE (raw rows) or --dataset_path (preprocessed shards), one of them")
+    result = predict(ns.model_dir, ns.dataset_path, ns.split, ns.output, ns.batch_size, not ns.no_progress, ns.input)
     if ns.json:
         print(json.dumps(result))
     else:
@@ -220,5 +303,8 @@ def _main(ns: argparse.Namespace) -> int:
             f"{result['split']}: {result['rows']} rows scored in {result['seconds']:.2f}s "
             f"({result['rows_per_s']:.0f} rows/s) -> {result['output']}"
         )
-        print(f"auc {result['auc']:.6f}  logloss {result['logloss']:.6f}  ne {result['ne']:.6f}  rows {result['rows']}")
+        if "auc" in result:
+            print(f"auc {result['auc']:.6f}  logloss {result['logloss']:.6f}  ne {result['ne']:.6f}  rows {result['rows']}")
+        else:
+            print(f"rows {result['rows']} (no label column: probabilities only)")
     return 0

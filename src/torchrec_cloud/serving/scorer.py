@@ -26,9 +26,10 @@ QUANTIZE = ("none", "fp16", "int8")
 
 class Tables(nn.Module):
     """Every embedding table in one ``[sum(rows), dim]`` tensor, table ``f`` starting at
-    ``row_offsets[f]``; each bag is the sum of its rows (TorchRec's ``sum`` pooling)."""
+    ``row_offsets[f]``; each bag is the sum of its rows (TorchRec's ``sum`` pooling), or their
+    mean for the tables ``mean`` marks (``mean`` pooling; an empty bag is zeros either way)."""
 
-    def __init__(self, tables: Sequence[torch.Tensor], quantize: str = "none") -> None:
+    def __init__(self, tables: Sequence[torch.Tensor], quantize: str = "none", mean: Sequence[bool] = ()) -> None:
         super().__init__()
         if quantize not in QUANTIZE:
             raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
@@ -39,6 +40,9 @@ class Tables(nn.Module):
         self.dim = int(whole.shape[1])
         self.register_buffer("row_offsets", torch.cumsum(sizes, 0) - sizes)
         self.register_buffer("table_sizes", sizes)
+        means = torch.tensor([bool(m) for m in mean] if mean else [False] * len(tables), dtype=torch.bool)
+        self.register_buffer("mean_pooled", means)
+        self.any_mean = bool(means.any())
         empty = torch.zeros(0)
         if quantize == "int8":
             # As fbgemm's row-wise int8 tables: scale and bias in float16, next to each row.
@@ -68,6 +72,10 @@ class Tables(nn.Module):
         index = values.long() + self.row_offsets[torch.div(bag, batch_size, rounding_mode="floor")]
         pooled = torch.zeros(bags, self.dim, device=values.device)
         pooled.index_add_(0, bag, self.rows(index))
+        if self.any_mean:
+            per_bag = self.mean_pooled.repeat_interleave(batch_size)
+            divisor = torch.where(per_bag, lengths.clamp(min=1).to(pooled.dtype), torch.ones_like(per_bag, dtype=pooled.dtype))
+            pooled = pooled / divisor.unsqueeze(1)
         return pooled.view(self.num_features, batch_size, self.dim).transpose(0, 1)
 
 

