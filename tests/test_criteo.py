@@ -17,6 +17,7 @@ import torch
 from torchrec_cloud import storage
 from torchrec_cloud.cli import main
 from torchrec_cloud.config import ConfigError, parse_job_config
+from torchrec_cloud.progress import plural
 from torchrec_cloud.data.criteo_format import record_dtype
 from torchrec_cloud.data.criteo_gen import format_lines, generate, write_criteo_tsv
 from torchrec_cloud.data.criteo_reader import CriteoSource, build_criteo_source
@@ -136,7 +137,7 @@ def test_resume_converts_only_missing_shards(tmp_path, capsys):
     shards[0].write_bytes(b"garbage that must be kept as it is committed")  # proves no rewrite
     rc, stdout, _ = preprocess(capsys, *args)
     assert rc == 0
-    assert f"resumed: {len(shards) - 2} shard(s)" in stdout
+    assert f"resumed: {plural(len(shards) - 2, 'shard')} " in stdout
     assert shards[0].read_bytes().startswith(b"garbage")
     assert len(shards) == len(sorted((out / "shards").glob("*.bin")))
     # Same settings, different table size: refused instead of mixing two runs.
@@ -231,7 +232,7 @@ def test_skip_mode_counts_and_reports(tmp_path, capsys):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["skipped_lines"] == 4
     assert manifest["rows"] == 1196
-    assert "skipped 4 bad line(s)" in stdout
+    assert "skipped 4 bad lines" in stdout
     assert f"{path}:4: integer feature int_4" in stdout
     assert f"{path}:1101:" in "\n".join(manifest["skipped_examples"])
     good = [i for i in range(1200) if i not in bad]
@@ -579,6 +580,6 @@ def test_killed_run_resumes_to_the_same_output(tmp_path, capsys):
     done = committed()
     rc, stdout, err = preprocess(capsys, *args, "--output", str(out))
     assert rc == 0, err
-    assert f"resumed: {done} shard(s)" in stdout
+    assert f"resumed: {plural(done, 'shard')} " in stdout
     assert preprocess(capsys, *args, "--output", str(tmp_path / "clean"))[0] == 0
     np.testing.assert_array_equal(shard_records(str(out)), shard_records(str(tmp_path / "clean")))

@@ -191,7 +191,7 @@ def test_a_bad_csv_row_names_its_line_and_column(events, capsys, tmp_path):
     assert f"{bad}:58: column price: not a number: 'cheap'" in line and "--on_bad_line skip" in line, line
     rc, out, err = cli(capsys, *args, "--output", str(tmp_path / "o2"), "--on_bad_line", "skip")
     assert rc == 0, err
-    assert "skipped 2 bad row(s)" in out and f"{bad}:121: expected 8 fields, found 3" in out, out
+    assert "skipped 2 bad rows" in out and f"{bad}:121: expected 8 fields, found 3" in out, out
     assert json.loads((tmp_path / "o2" / "manifest.json").read_text())["rows"] == 197
 
 

@@ -24,6 +24,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Literal, Optional
 
+from torchrec_cloud.progress import plural
+
 
 class ConfigError(ValueError):
     """A configuration value that cannot be used; ``flag`` names the offending flag."""
@@ -43,7 +45,7 @@ def _positive_list(flag: str, values: Optional[list[int]], min_len: int = 1) -> 
     if values is None:
         return
     if len(values) < min_len:
-        raise ConfigError(flag, f"needs at least {min_len} value(s), got {len(values)}")
+        raise ConfigError(flag, f"needs at least {plural(min_len, 'value')}, got {len(values)}")
     for v in values:
         if v <= 0:
             raise ConfigError(flag, f"every value must be > 0, got {v} in {values}")

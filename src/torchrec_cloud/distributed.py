@@ -32,6 +32,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec_cloud import comm, compat
 from torchrec_cloud.config import ConfigError, JobConfig, ShardingConfig, TrainConfig
 from torchrec_cloud.optim import embedding_lr
+from torchrec_cloud.progress import plural
 
 
 @dataclasses.dataclass
@@ -86,8 +87,8 @@ def init_distributed(backend: str = "auto", num_threads: int = 0, timeout_s: Opt
     cores = _cpu_count()
     threads = num_threads or max(1, cores // local_world_size)
     if device.type == "cpu" and local_world_size > cores and local_rank == 0:
-        print(f"warning: {local_world_size} ranks on this host share its {cores} core(s): each trains on less "
-              f"than a core, many times slower than {cores} rank(s) would (--nproc_per_node={cores})",
+        print(f"warning: {local_world_size} ranks on this host share its {plural(cores, 'core')}: each trains on "
+              f"less than a core, many times slower than {plural(cores, 'rank')} would (--nproc_per_node={cores})",
               file=sys.stderr, flush=True)  # fmt: skip
     torch.set_num_threads(threads)
     keep_freed_memory()
@@ -174,7 +175,7 @@ def shard_model(
     try:
         plan = planner.collective_plan(model, sharders, comm.group() or dist.GroupMember.WORLD)
     except PlannerError as e:
-        raise DoesNotFit(f"the model does not fit on this job's {env.world_size} rank(s) ({env.device.type}): "
+        raise DoesNotFit(f"the model does not fit on this job's {plural(env.world_size, 'rank')} ({env.device.type}): "
                          f"{planner_failure(e)}; `torchrec-cloud plan` shows what would hold it") from e
     keep_cache_params_where_cached(plan)
     dmp = DistributedModelParallel(

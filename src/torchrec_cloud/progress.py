@@ -19,6 +19,11 @@ from typing import IO, Any, Optional
 EVERY_S = 30.0
 
 
+def plural(n: int, word: str, many: Optional[str] = None) -> str:
+    """``plural(1, "shard")`` is ``1 shard``; ``plural(3, "process", "processes")`` is ``3 processes``."""
+    return f"{n:,} {word if n == 1 else (many or word + 's')}"
+
+
 class Progress:
     def __init__(self, desc: str, unit: str, total: Optional[int] = None, enabled: bool = True,
                  stream: Optional[IO[str]] = None) -> None:  # fmt: skip

@@ -24,7 +24,7 @@ from typing import Any, Optional
 from torchrec_cloud import counted, storage
 from torchrec_cloud.config import ConfigError
 from torchrec_cloud.data.criteo_format import CAT_FEATURES
-from torchrec_cloud.progress import Progress
+from torchrec_cloud.progress import Progress, plural
 
 CRITEO_ONLY = ("num_embeddings", "num_embeddings_per_feature", "chunk_mb")
 SCHEMA_ONLY = ("split_by", "val_from", "test_from", "shares", "share_index")
@@ -107,7 +107,7 @@ def _preprocess_schema(ns: argparse.Namespace) -> int:
         return 0
     if m is None:
         index, count = share or (0, 1)
-        print(f"share {index} of {count}: converted {result.converted} input(s) in {result.seconds:.1f}s; the "
+        print(f"share {index} of {count}: converted {plural(result.converted, 'input')} in {result.seconds:.1f}s; the "
               "manifest is written by the last share to finish (or run the command again without --shares)")  # fmt: skip
         return 0
     rows = {k: sum(e - s for _, s, e in v) for k, v in m["splits"].items()}
@@ -159,14 +159,14 @@ def _preprocess_criteo(ns: argparse.Namespace) -> int:
         f"val {sum(e - s for _, s, e in m['splits']['val'])}, test {sum(e - s for _, s, e in m['splits']['test'])})"
     )
     if result.resumed_shards:
-        print(f"resumed: {result.resumed_shards} shard(s) were already done and kept")
+        print(f"resumed: {plural(result.resumed_shards, 'shard')} {'was' if result.resumed_shards == 1 else 'were'} already done and kept")
     _print_skipped(m["skipped_lines"], "line", m["skipped_examples"])
     return 0
 
 
 def _print_skipped(count: int, what: str, examples: list[str]) -> None:
     if count:
-        print(f"skipped {count} bad {what}(s); first ones:")
+        print(f"skipped {plural(count, 'bad ' + what)}; first ones:")
         for line in examples[:5]:
             print(f"  {line}")
 

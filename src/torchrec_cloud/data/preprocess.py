@@ -54,6 +54,7 @@ from torchrec_cloud.data.tabular import BadRowError, Input
 from torchrec_cloud.data.transforms import SPLIT_CODES, Transforms
 from torchrec_cloud.errors import CommandError
 from torchrec_cloud.untrusted import MAX_ROWS, Fields, UntrustedInputError, integer, number, read_json, shown
+from torchrec_cloud.progress import plural
 
 PLAN = "_plan.json"
 COUNTS_DIR = "_counts"
@@ -453,7 +454,7 @@ def _wait_for_counts(opts: Options, wait_s: float) -> None:
         if not missing:
             return
         if time.monotonic() > deadline:
-            raise PreprocessError(f"waited {wait_s:.0f}s for the counts of {len(missing)} input(s) "
+            raise PreprocessError(f"waited {wait_s:.0f}s for the counts of {plural(len(missing), 'input')} "
                                   f"(first: {opts.inputs[missing[0]]}); run the shares that hold them")  # fmt: skip
         time.sleep(POLL_S)
 

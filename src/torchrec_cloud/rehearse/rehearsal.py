@@ -17,6 +17,7 @@ from torchrec_cloud.rehearse import report as reporting
 from torchrec_cloud.rehearse.controllers import build_controller
 from torchrec_cloud.rehearse.faults import KINDS, Fault, Faults
 from torchrec_cloud.rehearse.pods import Pods
+from torchrec_cloud.progress import plural
 
 POLL_S = 0.05
 SCRAPE_EVERY_S = 0.5
@@ -125,7 +126,7 @@ def run(ns: argparse.Namespace) -> int:
         ns.spot = True  # only spot nodes are reclaimed: the pods know the reclaim's grace
         say("--reclaim: rendering the job for spot nodes (--spot)")
     spec = spec_from_args(ns)
-    say(f"rehearsing {spec.launcher} {spec.name}: {spec.nodes} pod(s) x {spec.procs} process(es), output {output}")
+    say(f"rehearsing {spec.launcher} {spec.name}: {plural(spec.nodes, 'pod')} x {plural(spec.procs, 'process', 'processes')}, output {output}")
 
     def stop(signum, frame):  # the pods' processes must not outlive the rehearsal
         raise SystemExit(128 + signum)

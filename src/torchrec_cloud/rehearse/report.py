@@ -26,6 +26,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from torchrec_cloud.progress import plural
+
 
 class Progress:
     """The train records rank 0 has logged (its metrics.jsonl), in order."""
@@ -156,6 +158,6 @@ def summary(report: dict[str, Any]) -> str:
     scores = ", ".join(f"{k} {v:.6f}" for k, v in final.items() if k != "step")
     resumed = ", ".join(str(s) for s in report["resumed_from"])
     lines.append(f"{'completed' if report['completed'] else 'NOT completed'} ({report['outcome']}); "
-                 f"{report['restarts']} restart(s)" + (f", resumed from step {resumed}" if resumed else "")
+                 f"{plural(report['restarts'], 'restart')}" + (f", resumed from step {resumed}" if resumed else "")
                  + f"; {scores or 'no evaluation'}")  # fmt: skip
     return "\n".join(lines)
