@@ -538,7 +538,7 @@ class Checker:
                                          staging_bucket=getattr(ns, "staging_bucket", None))
             with captured():
                 build(spec, options)
-        else:
+        elif spec.job == "train":  # (a preprocessing job's flags were checked as the spec was made)
             spec.trainer_args("/runs")  # the training flags after '--', as the trainer takes them
         if args[0] == "submit" and not ns.dry_run:
             for problem in submit.placeholders(spec, ns.target):
@@ -801,9 +801,10 @@ class Checker:
 
 
 def spec_train_flags() -> set[str]:
-    from torchrec_cloud.deploy.spec import trainer_flags
+    """The flags after '--': the trainer's, or `data preprocess`'s (`--job preprocess`)."""
+    from torchrec_cloud.deploy.spec import preprocess_flags, trainer_flags
 
-    return trainer_flags()
+    return trainer_flags() | preprocess_flags()
 
 
 def torchrun_parser(launch: bool = False) -> argparse.ArgumentParser:

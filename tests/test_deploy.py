@@ -122,6 +122,20 @@ def test_submit_dry_run_prints_what_would_be_applied(cli):
     assert "kubectl apply -f -" in done.stderr
 
 
+def test_submit_a_preprocessing_job_to_kubernetes_only(cli):
+    flags = ["--", "--schema", "s3://b/schema.yaml", "--input", "s3://b/events/", "--output", "s3://b/shards"]
+    done = cli("submit", "--target", "kubernetes", "--cloud", "gcp", "--job", "preprocess", "--nodes", "3",
+               "--dry-run", *flags)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    job = workload(load_documents(done.stdout))
+    assert job["spec"]["completions"] == 3
+    assert job["spec"]["template"]["spec"]["containers"][0]["command"] == ["torchrec-cloud", "data", "preprocess"]
+    assert "-l torchrec-cloud/job=torchrec-preprocess" in done.stderr  # the logs it would follow
+    done = cli("submit", "--target", "vertex", "--cloud", "gcp", "--job", "preprocess", "--dry-run", *flags)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "torchrec-cloud submit: error: --job: --job preprocess is a Kubernetes Indexed Job: --target kubernetes"]
+
+
 def test_submit_without_kubectl_says_so(cli):
     done = cli("submit", "--target", "kubernetes", "--nodes", "2", "--image", "registry.example/t:1",
                "--kubectl", "no-such-kubectl")

@@ -8,6 +8,7 @@ their CRDs in tests/schemas/, made strict the same way.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import copy
 import re
@@ -623,3 +624,98 @@ def test_a_profile_naming_an_unknown_collector_says_so(tmp_path):
 
     with pytest.raises(ProfileError, match="nosuchcollector.*aws, azure, gcp, generic"):
         render_bundle(DeploySpec(cloud=str(profile), gpus_per_node=0))
+
+
+# -- render --job preprocess: data preprocess over an Indexed Job's pods ---------------------
+
+PREPROCESS = ["--schema", "/data/schema.yaml", "--input", "s3://bucket/events: 2024/", "gs://b/day #2.csv",
+              "--output", "s3://bucket/out 'x'", "--split_by", "ts", "--val_from", "2024-03-01",
+              "--test_from", "2024-03-15"]  # fmt: skip
+
+
+@pytest.mark.parametrize("cloud", CLOUDS)
+def test_a_preprocessing_job_is_an_indexed_job_of_cpu_pods_like_training(cloud):
+    """Valid objects the cluster admits; one pod per share, each running `data preprocess` with
+    the user's flags as given (quoting intact) and its share from JOB_COMPLETION_INDEX, no GPU,
+    the profile's CPU requests; and the training job's pod spec (security, service account and
+    identity, pools), storage and image: one place builds both."""
+    from torchrec_cloud.data.cli import add_parser
+    from torchrec_cloud.launch import EXIT_CONFIG
+
+    docs = render(cloud=cloud, job="preprocess", nodes=3, image="registry.example/img:1", spot=True,
+                  train_args=PREPROCESS)  # fmt: skip
+    assert [d["kind"] for d in docs] == ["Namespace", "ServiceAccount", "Job"]
+    for doc in docs:
+        validate(doc)
+    assert admission.check(docs) == []
+    job = by_kind(docs, "Job")
+    spec = job["spec"]
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", 3, 3)
+    profile = load_profile(cloud)
+    assert spec["backoffLimitPerIndex"] == profile.backoff_limit and spec["maxFailedIndexes"] == 0
+    rules = spec["podFailurePolicy"]["rules"]
+    assert rules[0] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    assert rules[1]["action"] == "FailJob" and rules[1]["onExitCodes"]["values"] == [EXIT_CONFIG]
+    pod = spec["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["image"] == "registry.example/img:1"
+    assert c["command"] == ["torchrec-cloud", "data", "preprocess"]
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    ns = parser.parse_args(["data", "preprocess", *c["args"]])
+    assert (ns.schema, ns.input, ns.output) == ("/data/schema.yaml", ["s3://bucket/events: 2024/", "gs://b/day #2.csv"],
+                                                "s3://bucket/out 'x'")  # fmt: skip
+    assert (ns.split_by, ns.val_from, ns.test_from, ns.shares, ns.share_index) == ("ts", "2024-03-01", "2024-03-15", 3, None)
+    assert ns.workers == int(profile.preprocess["requests"]["cpu"])
+    assert {"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {
+        "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}} in c["env"]  # fmt: skip
+    assert c["resources"] == {k: profile.preprocess[k] for k in ("requests", "limits")}
+    assert not any("gpu" in r for part in c["resources"].values() for r in part)
+    train = by_kind(render(cloud=cloud, launcher="job", nodes=3, gpus_per_node=8, image="registry.example/img:1",
+                           spot=True, checkpoint_url="s3://b/ck"), "Job")  # fmt: skip
+    tpod = train["spec"]["template"]["spec"]
+    (tc,) = tpod["containers"]
+    same = ("serviceAccountName", "securityContext", "tolerations", "volumes", "terminationGracePeriodSeconds")
+    assert {k: pod.get(k) for k in same} == {k: tpod.get(k) for k in same}
+    # The spot pools of training, not its GPU machine type.
+    assert pod.get("nodeSelector", {}) == {k: v for k, v in tpod.get("nodeSelector", {}).items() if k != profile.instance_label}
+    assert "affinity" not in pod  # shares may share a node
+    assert (c["securityContext"], c["volumeMounts"]) == (tc["securityContext"], tc["volumeMounts"])
+    labels = spec["template"]["metadata"]["labels"]
+    assert all(labels[k] == v for k, v in {**(profile.identity or {}).get("pod_labels", {}), **profile.pod_labels}.items())
+    assert by_kind(docs, "ServiceAccount") == by_kind(render(cloud=cloud, launcher="job", nodes=3), "ServiceAccount")
+
+
+@pytest.mark.parametrize(
+    "kw, flag",
+    [
+        (dict(launcher="pytorchjob"), "launcher"),
+        (dict(nodes=3, train_args=[*PREPROCESS, "--shares", "2"]), "nodes"),
+        (dict(train_args=[*PREPROCESS, "--share_index", "0"]), "--"),
+        (dict(train_args=PREPROCESS[2:]), "--"),  # no --schema
+        (dict(train_args=[*PREPROCESS, "--no_such_flag"]), "--"),
+        (dict(checkpoint_url="s3://b/ck"), "checkpoint_url"),
+        (dict(job="index"), "job"),
+    ],
+)
+def test_bad_preprocessing_job_options_name_the_flag(kw, flag):
+    kw = {"job": "preprocess", "train_args": PREPROCESS, **kw}
+    with pytest.raises(ConfigError) as e:
+        render_bundle(DeploySpec(**kw))
+    assert e.value.flag == flag, str(e.value)
+
+
+def test_render_job_preprocess_from_the_command_line(tmp_path, capsys):
+    """`--shares N` among the flags sets the pods' number; the file is preprocess.yaml; the
+    default job stays training; a bad flag is one line, exit 2."""
+    from torchrec_cloud.cli import main
+
+    assert main(["render", "--job", "preprocess", "--output", str(tmp_path), "--", *PREPROCESS, "--shares", "4"]) == 0
+    job = by_kind(load_documents((tmp_path / "preprocess.yaml").read_text()), "Job")
+    assert job["spec"]["completions"] == 4 and job["metadata"]["name"] == "torchrec-preprocess"
+    assert main(["render", "--output", str(tmp_path / "t"), "--gpus_per_node", "0"]) == 0
+    assert (tmp_path / "t" / "job.yaml").exists()
+    capsys.readouterr()
+    assert main(["render", "--job", "preprocess", "--", *PREPROCESS, "--split_by"]) == 2
+    err = capsys.readouterr().err
+    assert err == "torchrec-cloud render: error: data preprocess flags after '--': argument --split_by: expected one argument\n"

@@ -17,7 +17,8 @@ Kubernetes Indexed Job): share I takes inputs I, I + N, ...; it counts them, wai
 share's counts (``_counts/``), merges them (the same result on every share) and converts its
 inputs. Whichever share sees every input converted writes the manifest; running the command
 again without ``--shares`` on any machine does the same, and redoes what a lost share left
-undone.
+undone. ``torchrec-cloud render --job preprocess`` writes that Indexed Job
+(:mod:`torchrec_cloud.deploy.manifests`), and ``rehearse --job preprocess`` runs it here.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import multiprocessing as mp
+import os
 import re
 import time
 from dataclasses import asdict, dataclass
@@ -60,6 +62,11 @@ PLAN = "_plan.json"
 COUNTS_DIR = "_counts"
 SOURCES_DIR = "_sources"
 POLL_S = 2.0
+# For tests only: the process that commits the shard of this name then waits (until a
+# rehearsal's fault ends it): a pod lost mid-way, whatever the machine's speed. A retry finds
+# that shard committed and never waits.
+TEST_HOLD_ENV = "TORCHREC_CLOUD_TEST_HOLD_AFTER_SHARD"
+TEST_HOLD_S = 600.0
 
 
 @dataclass
@@ -318,6 +325,8 @@ def convert_input(opts: Options, source: int, transforms: Transforms, report: Ca
             storage.write_bytes(_url(opts, SHARD_DIR, name(k)), data)
         storage.write_bytes(_url(opts, SHARD_DIR, name(k) + ".done"), json.dumps(entry).encode())
         entries.append(entry)
+        if os.environ.get(TEST_HOLD_ENV) == name(k):
+            time.sleep(TEST_HOLD_S)  # killed meanwhile, as a pod lost mid-way
 
     shard, parts, marker = 0, [], committed(0)
     for first, table, enc in reader.batches():

@@ -5,6 +5,7 @@
 ``templates/`` only lay them out. Each launcher is a list of templates::
 
     job         Namespace, ServiceAccount, headless Service, Indexed Job
+    --job preprocess: Namespace, ServiceAccount, Indexed Job of `data preprocess` pods
     pytorchjob  Namespace, ServiceAccount, Kubeflow v1 PyTorchJob
     trainjob    Namespace, ServiceAccount, Kubeflow Trainer v2 TrainingRuntime + TrainJob
 
@@ -40,6 +41,8 @@ LAUNCHER_TEMPLATES = {
     # TrainingRuntime of its own, which can.
     "trainjob": ["namespace.yaml.j2", "serviceaccount.yaml.j2", "trainingruntime.yaml.j2", "trainjob.yaml.j2"],
 }
+# `--job preprocess`: an Indexed Job of `data preprocess` pods (no Service: they never talk).
+PREPROCESS_TEMPLATES = ["namespace.yaml.j2", "serviceaccount.yaml.j2", "preprocess_job.yaml.j2"]
 SERVICE_ACCOUNT = "torchrec-trainer"
 JOB_LABEL = "torchrec-cloud/job"
 # The pods' annotation with the plan made before rendering (`kubectl describe pod`).
@@ -108,6 +111,7 @@ def render_template(template: str, /, **context: Any) -> str:
 # Every launcher starts the trainer through `torchrec-cloud launch` (torchrun with exit codes
 # the controllers act on: 0 only for a finished run, EXIT_PREEMPTED for a preemption).
 LAUNCH_COMMAND = ["torchrec-cloud", "launch"]
+PREPROCESS_COMMAND = ["torchrec-cloud", "data", "preprocess"]
 
 
 def spot_train_args(spec: DeploySpec, profile: Profile) -> list[str]:
@@ -121,66 +125,38 @@ def spot_train_args(spec: DeploySpec, profile: Profile) -> list[str]:
 
 def build_context(spec: DeploySpec, profile: Optional[Profile] = None) -> dict[str, Any]:
     """Every value the templates use, computed from the spec and the profile's data."""
-    from torchrec_cloud.deploy.admission import MIN_KUBERNETES_ANNOTATION, MIN_OPERATORS_ANNOTATION, MIN_VERSIONS
     from torchrec_cloud.launch import EXIT_CONFIG, EXIT_PREEMPTED
 
     profile = profile or load_profile(spec.cloud)
+    if spec.job == "preprocess":
+        return preprocess_context(spec, profile)
     instance = _instance(spec, profile)
-    common_labels = {"app.kubernetes.io/name": "torchrec-cloud", "app.kubernetes.io/part-of": "torchrec-cloud"}
-    selector = {JOB_LABEL: spec.name}
-    labels = {**common_labels, "app.kubernetes.io/instance": spec.name, **selector}
-    identity = profile.identity or {}
+    grace = spec.grace_period_s or profile.termination_grace_period_s
+    workload = _workload_context(spec, profile, instance, grace)
     metrics_port = spec.user_prometheus_port() or profile.metrics_port
     monitoring = _monitoring(spec, profile, metrics_port)
-    volumes, volume_mounts, storage, output_root = _volumes(spec, profile)
-    grace = spec.grace_period_s or profile.termination_grace_period_s
+    output_root = workload["output_root"]
     spot_args = spot_train_args(spec, profile)
     trainer_args = spec.trainer_args(output_root, [*monitoring.container_args, *spot_args])
     plan, planned_args = _plan(spec, profile, instance, trainer_args)
     if planned_args:
         trainer_args = spec.trainer_args(output_root, [*monitoring.container_args, *spot_args, *planned_args])
     launch = _launch_args(spec, profile, grace, trainer_args)
-    if identity:
-        sa_annotations = {identity["annotation"]: spec.identity or identity["example"]}
-        identity_note = f"{identity['annotation']} grants cloud access without keys in the manifest."
-    else:
-        sa_annotations = {}
-        identity_note = "No cloud identity: add your cluster's workload-identity annotation here."
     env = {**profile.env, **(instance.env if instance is not None else {})}
     env_grace = min(grace, spec.reclaim_grace_s or profile.reclaim_grace_s()) if spec.spot else grace
     env[GRACE_ENV] = env_grace
-    versions = MIN_VERSIONS[spec.launcher]
-    workload_annotations = {MIN_KUBERNETES_ANNOTATION: versions["kubernetes"]}
-    if versions["operators"]:
-        workload_annotations[MIN_OPERATORS_ANNOTATION] = versions["operators"]
+    identity = profile.identity or {}
+    labels = workload["labels"]
 
     ctx: dict[str, Any] = {
-        "spec": spec,
-        "profile": profile,
-        "instance": instance,
-        "name": spec.name,
-        "namespace": spec.namespace,
-        "image": spec.image,
-        "nodes": spec.nodes,
+        **workload,
         "procs": spec.procs,
         "world_size": spec.world_size,
-        "common_labels": common_labels,
-        "labels": labels,
-        "workload_annotations": workload_annotations,
-        "selector": selector,
         "pod_labels": {**labels, **identity.get("pod_labels", {}), **monitoring.pod_labels, **profile.pod_labels},
         "pod_annotations": {**monitoring.pod_annotations, **profile.pod_annotations,
                             **({PLAN_ANNOTATION: plan["summary"]} if plan else {})},
-        "service_account": SERVICE_ACCOUNT,
-        "service_account_annotations": sa_annotations,
-        "identity_note": identity_note,
-        "pod_spec": _pod_spec(spec, profile, instance, selector, grace),
-        "container_security": _container_security(profile),
         "env": [{"name": k, "value": str(v)} for k, v in env.items()],
         "resources": _resources(spec, profile, instance),
-        "volumes": volumes,
-        "volume_mounts": volume_mounts,
-        "storage": storage,
         "backoff_limit": spec.backoff_limit if spec.backoff_limit is not None else profile.backoff_limit,
         "max_restarts": profile.max_restarts,
         "rendezvous_port": profile.rendezvous_port,
@@ -206,6 +182,85 @@ def build_context(spec: DeploySpec, profile: Optional[Profile] = None) -> dict[s
     return ctx
 
 
+def _workload_context(spec: DeploySpec, profile: Profile, instance, grace: int, one_per_node: bool = True) -> dict[str, Any]:
+    """What every job's pods share, whatever they run (training, preprocessing): names and
+    labels, the service account and its cloud identity, where the pods may run and as whom
+    (``pod_spec``), the container's security context, and the volumes."""
+    from torchrec_cloud.deploy.admission import MIN_KUBERNETES_ANNOTATION, MIN_OPERATORS_ANNOTATION, MIN_VERSIONS
+
+    common_labels = {"app.kubernetes.io/name": "torchrec-cloud", "app.kubernetes.io/part-of": "torchrec-cloud"}
+    selector = {JOB_LABEL: spec.name}
+    identity = profile.identity or {}
+    volumes, volume_mounts, storage, output_root = _volumes(spec, profile)
+    if identity:
+        sa_annotations = {identity["annotation"]: spec.identity or identity["example"]}
+        identity_note = f"{identity['annotation']} grants cloud access without keys in the manifest."
+    else:
+        sa_annotations = {}
+        identity_note = "No cloud identity: add your cluster's workload-identity annotation here."
+    versions = MIN_VERSIONS[spec.launcher]
+    workload_annotations = {MIN_KUBERNETES_ANNOTATION: versions["kubernetes"]}
+    if versions["operators"]:
+        workload_annotations[MIN_OPERATORS_ANNOTATION] = versions["operators"]
+    return {
+        "spec": spec,
+        "profile": profile,
+        "instance": instance,
+        "name": spec.name,
+        "namespace": spec.namespace,
+        "image": spec.image,
+        "nodes": spec.nodes,
+        "common_labels": common_labels,
+        "labels": {**common_labels, "app.kubernetes.io/instance": spec.name, **selector},
+        "workload_annotations": workload_annotations,
+        "selector": selector,
+        "service_account": SERVICE_ACCOUNT,
+        "service_account_annotations": sa_annotations,
+        "identity_note": identity_note,
+        "pod_spec": _pod_spec(spec, profile, instance, selector, grace, one_per_node),
+        "container_security": _container_security(profile),
+        "volumes": volumes,
+        "volume_mounts": volume_mounts,
+        "storage": storage,
+        "output_root": output_root,
+    }
+
+
+def preprocess_context(spec: DeploySpec, profile: Profile) -> dict[str, Any]:
+    """``--job preprocess``: ``data preprocess`` over ``spec.nodes`` pods of an Indexed Job,
+    one share of the inputs each (its JOB_COMPLETION_INDEX), on CPU nodes: the profile's
+    ``preprocess`` requests and limits, no GPU; the storage, identity and image of training."""
+    from torchrec_cloud.launch import EXIT_CONFIG
+
+    grace = spec.grace_period_s or profile.termination_grace_period_s
+    # Shares are independent: several may share a node.
+    ctx = _workload_context(spec, profile, None, grace, one_per_node=False)
+    settings = profile.preprocess
+    resources = {k: dict(settings[k]) for k in ("requests", "limits") if settings.get(k)}
+    args = spec.preprocess_args(workers=_cpus(settings.get("requests", {}).get("cpu", "1")))
+    identity = profile.identity or {}
+    ctx.update({
+        "pod_labels": {**ctx["labels"], **identity.get("pod_labels", {}), **profile.pod_labels},
+        "pod_annotations": dict(profile.pod_annotations),
+        "env": [],
+        "resources": resources,
+        "backoff_limit": spec.backoff_limit if spec.backoff_limit is not None else profile.backoff_limit,
+        "preprocess_command": PREPROCESS_COMMAND,
+        "preprocess_args": args,
+        "exit_config": EXIT_CONFIG,
+        "monitoring": None,
+    })  # fmt: skip
+    ctx["container_spec"] = _container_spec(ctx, ports=[])
+    return ctx
+
+
+def _cpus(quantity: Any) -> int:
+    """Whole CPUs of a Kubernetes CPU quantity ("8", "7500m"), at least 1."""
+    text = str(quantity)
+    value = float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+    return max(int(value), 1)
+
+
 def _plan(spec: DeploySpec, profile: Profile, instance, trainer_args: list[str]) -> tuple[Optional[dict], list[str]]:
     """TorchRec's plan for the job's GPUs (``torchrec-cloud plan``; raises ``DoesNotFit``
     when the cluster cannot hold the model) and the trainer flags it adds: the planned
@@ -226,8 +281,10 @@ def _instance(spec: DeploySpec, profile: Profile):
     return instance
 
 
-def _pod_spec(spec: DeploySpec, profile: Profile, instance, selector: dict, grace: int) -> dict[str, Any]:
-    """Where the pods may run and as whom: one pod per node, the profile's (spot) pools."""
+def _pod_spec(spec: DeploySpec, profile: Profile, instance, selector: dict, grace: int,
+              one_per_node: bool = True) -> dict[str, Any]:  # fmt: skip
+    """Where the pods may run and as whom: the profile's (spot) pools, one pod per node
+    (``one_per_node``: a trainer pod takes the whole machine)."""
     node_selector = dict(profile.node_selector)
     tolerations = list(profile.tolerations)
     if instance is not None:
@@ -244,6 +301,8 @@ def _pod_spec(spec: DeploySpec, profile: Profile, instance, selector: dict, grac
         pod_spec["nodeSelector"] = node_selector
     if tolerations:
         pod_spec["tolerations"] = tolerations
+    if not one_per_node:
+        return pod_spec
     pod_spec["affinity"] = {
         "podAntiAffinity": {
             "requiredDuringSchedulingIgnoredDuringExecution": [
@@ -310,7 +369,7 @@ def _ports(spec: DeploySpec, profile: Profile, monitoring) -> list[dict[str, Any
 
 
 def _container_spec(ctx: dict[str, Any], ports: list[dict[str, Any]]) -> dict[str, Any]:
-    container: dict[str, Any] = {"ports": ports}
+    container: dict[str, Any] = {"ports": ports} if ports else {}
     if ctx["resources"]:
         container["resources"] = ctx["resources"]
     container["securityContext"] = ctx["container_security"]
@@ -375,8 +434,11 @@ def render_documents(spec: DeploySpec, profile: Optional[Profile] = None) -> lis
     from torchrec_cloud.deploy.schedulable import require_schedulable
 
     ctx = build_context(spec, profile)
-    docs = [render_template(name, **ctx) for name in LAUNCHER_TEMPLATES[spec.launcher]]
-    docs += [render_template("collector.yaml.j2", manifest=m, **ctx) for m in ctx["monitoring"].manifests]
+    if spec.job == "preprocess":
+        docs = [render_template(name, **ctx) for name in PREPROCESS_TEMPLATES]
+    else:
+        docs = [render_template(name, **ctx) for name in LAUNCHER_TEMPLATES[spec.launcher]]
+        docs += [render_template("collector.yaml.j2", manifest=m, **ctx) for m in ctx["monitoring"].manifests]
     docs += [render_template(name, **ctx) for name in ctx["profile"].extra_templates]
     docs = [doc.strip("\n") + "\n" for doc in docs]
     # A pod asking for a device nothing advertises where it may land stays Pending for good.

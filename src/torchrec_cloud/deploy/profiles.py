@@ -107,6 +107,7 @@ class Profile:
     node_daemons: list[dict[str, Any]] = field(default_factory=list)
     extended_resource_toleration: bool = False
     managed_training: Optional[dict[str, Any]] = None
+    preprocess: dict[str, Any] = field(default_factory=dict)
 
     def instance(self, name: Optional[str] = None) -> Optional[Instance]:
         """The named instance type (default: the profile's), or None for a generic cluster."""

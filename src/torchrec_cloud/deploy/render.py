@@ -1,4 +1,5 @@
-"""``torchrec-cloud render``: Kubernetes manifests for a training job, on stdout or in files.
+"""``torchrec-cloud render``: Kubernetes manifests for a training job (or a preprocessing
+job), on stdout or in files.
 
     torchrec-cloud render --cloud generic --launcher job --nodes 2 --gpus_per_node 1
     torchrec-cloud render --cloud aws --launcher pytorchjob --nodes 4 --gpus_per_node 8 \\
@@ -6,9 +7,14 @@
         --spot --checkpoint_url s3://your-criteo-bucket/checkpoints -- --batch_size 4096
     torchrec-cloud render --cloud gcp --launcher trainjob --nodes 2 --gpus_per_node 8 --output out/
     torchrec-cloud render --cloud azure --what storage --set storage.nfs_server=10.1.2.3 | kubectl apply -f -
+    torchrec-cloud render --cloud aws --job preprocess --nodes 8 -- --schema /fsx/schema.yaml \\
+        --input s3://your-bucket/events/ --output s3://your-bucket/events-shards
+
+``--job preprocess`` renders ``data preprocess`` over ``--nodes`` CPU pods (an Indexed Job,
+one share of the inputs each); its flags go after ``--``, as ``data preprocess`` takes them.
 
 Without ``--output`` the multi-document YAML goes to stdout (``| kubectl apply -f -``); with
-it, ``DIR/<launcher>.yaml`` (and ``DIR/storage.yaml`` where the profile has a file system).
+it, ``DIR/<launcher>.yaml`` (``DIR/preprocess.yaml``) (and ``DIR/storage.yaml`` where the profile has a file system).
 Bad options end with one line naming the flag, exit code 2.
 """
 
@@ -26,7 +32,7 @@ from torchrec_cloud.deploy.spec import add_spec_flags, spec_from_args
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "render",
-        help="render Kubernetes manifests (Indexed Job, PyTorchJob, TrainJob) for a cloud",
+        help="render Kubernetes manifests (Indexed Job, PyTorchJob, TrainJob; or a preprocessing job) for a cloud",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -61,7 +67,8 @@ def run(ns: argparse.Namespace) -> int:
             return 2
         files = {"storage.yaml": text}
     else:
-        files = {f"{spec.launcher}.yaml": render_bundle(spec, profile)}
+        name = "preprocess" if spec.job == "preprocess" else spec.launcher
+        files = {f"{name}.yaml": render_bundle(spec, profile)}
         storage = render_storage(spec, profile) if ns.output else None
         if storage:
             files["storage.yaml"] = storage

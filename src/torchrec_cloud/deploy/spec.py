@@ -22,6 +22,11 @@ from torchrec_cloud import __version__, install_extra
 from torchrec_cloud.config import PRESETS, ConfigError, FlagParser, add_config_flags, config_from_args, flag_kwargs
 
 LAUNCHERS = ("job", "pytorchjob", "trainjob")
+JOBS = ("train", "preprocess")
+DEFAULT_NAME = "torchrec-dlrm"
+# `--job preprocess` without --name: a name of its own, so that it and the training job can
+# live in one namespace.
+PREPROCESS_NAME = "torchrec-preprocess"
 DEFAULT_IMAGE = f"torchrec-cloud:{__version__}"
 
 # Kubernetes names: DNS-1123 labels. Pod hostnames of an Indexed Job are
@@ -44,6 +49,35 @@ class MissingExtraError(ImportError):
 
     def __init__(self, module: str, extra: str) -> None:
         super().__init__(f"{module} is not installed: {install_extra(extra)}")
+
+
+class PreprocessFlagsError(ConfigError):
+    """A ``data preprocess`` flag (after ``--``, with ``--job preprocess``) it would reject."""
+
+    def __init__(self, message: str) -> None:
+        ValueError.__init__(self, f"data preprocess flags after '--': {message}")
+        self.flag = "--"
+
+
+class _PreprocessFlagParser(FlagParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise PreprocessFlagsError(message)
+
+
+@lru_cache(maxsize=1)
+def _preprocess_parser() -> argparse.ArgumentParser:
+    """``data preprocess``'s own parser (from data/cli.py), its errors raised."""
+    from torchrec_cloud.data.cli import add_parser
+
+    sub = _PreprocessFlagParser(prog="torchrec-cloud", add_help=False).add_subparsers(parser_class=_PreprocessFlagParser)
+    data = add_parser(sub)
+    (actions,) = [a for a in data._actions if isinstance(a, argparse._SubParsersAction)]
+    return actions.choices["preprocess"]
+
+
+def preprocess_flags() -> set[str]:
+    """Every ``--flag`` of ``data preprocess``."""
+    return {s for a in _preprocess_parser()._actions for s in a.option_strings}
 
 
 class _TrainFlagParser(FlagParser):  # no abbreviations, `_` or `-`, as `train` itself
@@ -70,6 +104,10 @@ class DeploySpec:
 
     cloud: str = "generic"
     """Profile to fill the templates with (profiles/<cloud>.yaml)."""
+    job: Literal["train", "preprocess"] = "train"
+    """What the pods run: train, or preprocess: `data preprocess --schema` split over --nodes
+    pods (an Indexed Job, one share of the inputs each, CPU only), whose flags (--schema,
+    --input, --output, --split_by ...) go after '--'."""
     launcher: Literal["job", "pytorchjob", "trainjob"] = "job"
     """Indexed Job + headless Service (plain Kubernetes), Kubeflow v1 PyTorchJob, or Kubeflow
     Trainer v2 TrainJob."""
@@ -89,7 +127,7 @@ class DeploySpec:
     cannot hold the model, and pass the planned --embedding_kernel to the trainer."""
     image: str = DEFAULT_IMAGE
     """Container image built from docker/Dockerfile.cuda (or .cpu)."""
-    name: str = "torchrec-dlrm"
+    name: str = DEFAULT_NAME
     """Job name (also the headless Service's and the rendezvous id)."""
     namespace: str = "torchrec"
     """Kubernetes namespace (created by the bundle)."""
@@ -133,11 +171,15 @@ class DeploySpec:
     be started again (launch --peer_timeout_s; default: the profile's; 0: no heartbeats, and
     a lost peer costs --pg_timeout_s)."""
     train_args: list[str] = field(default_factory=list)
-    """Trainer flags, e.g. ['--batch_size', '4096']."""
+    """Trainer flags, e.g. ['--batch_size', '4096'] (with --job preprocess: `data preprocess` flags)."""
 
     def __post_init__(self) -> None:
+        if self.job not in JOBS:
+            raise ConfigError("job", f"must be one of {', '.join(JOBS)}, got {self.job!r}")
         if self.launcher not in LAUNCHERS:
             raise ConfigError("launcher", f"must be one of {', '.join(LAUNCHERS)}, got {self.launcher!r}")
+        if self.job == "preprocess" and self.name == DEFAULT_NAME:
+            self.name = PREPROCESS_NAME
         if self.nodes < 1:
             raise ConfigError("nodes", f"must be >= 1, got {self.nodes}")
         if self.gpus_per_node < 0:
@@ -180,12 +222,47 @@ class DeploySpec:
             raise ConfigError("peer_timeout_s", f"must be >= 0 (seconds; 0: no heartbeats), got {self.peer_timeout_s}")
         if self.storage_claim is not None and not _DNS_SUBDOMAIN.match(self.storage_claim):
             raise ConfigError("storage_claim", f"must be a PersistentVolumeClaim name, got {self.storage_claim!r}")
-        if self.spot and not self.checkpoint_url and not self._trains_with("--checkpoint_path"):
+        if self.job == "preprocess":
+            self._check_preprocess()
+        elif self.spot and not self.checkpoint_url and not self._trains_with("--checkpoint_path"):
             raise ConfigError(
                 "checkpoint_url",
                 "--spot needs a checkpoint destination: a reclaimed node's pods resume from the last "
                 f"checkpoint (--checkpoint_every_s); pass --checkpoint_url {self._checkpoint_examples()}",
             )
+
+    def _check_preprocess(self) -> None:
+        """A preprocessing job: an Indexed Job of --nodes pods (or --shares N among its flags),
+        whose `data preprocess` flags the command itself accepts."""
+        if self.launcher != "job":
+            raise ConfigError("launcher", f"--job preprocess is an Indexed Job: --launcher job, got {self.launcher!r}")
+        for flag in ("data_url", "checkpoint_url"):
+            if getattr(self, flag):
+                raise ConfigError(flag, "applies to --job train; give the inputs and output after '--' "
+                                  "(-- --schema FILE --input URL... --output URL)")  # fmt: skip
+        ns = _preprocess_parser().parse_args(list(self.train_args))
+        if ns.schema is None:
+            raise PreprocessFlagsError("--job preprocess needs --schema FILE (a URL or a path on the mounted "
+                                       "storage, as the pods read it); Criteo's --format is not split over pods")  # fmt: skip
+        if ns.output is None:
+            raise PreprocessFlagsError("--output is required: the folder or URL every pod writes to")
+        if ns.share_index is not None:
+            raise PreprocessFlagsError("--share_index: each pod's share is its JOB_COMPLETION_INDEX")
+        if ns.shares is not None:
+            if ns.shares < 1:
+                raise PreprocessFlagsError(f"--shares must be >= 1, got {ns.shares}")
+            if self.nodes not in (1, ns.shares):
+                raise ConfigError("nodes", f"--nodes {self.nodes} and --shares {ns.shares} disagree: one pod per share")
+            self.nodes = ns.shares
+
+    def preprocess_args(self, workers: int) -> list[str]:
+        """``data preprocess`` flags of each pod: the user's (those after '--', without
+        --shares), then ``--shares NODES`` and ``--workers`` (the pod's CPUs, unless given)."""
+        groups = [g for g in _flag_groups(list(self.train_args)) if g[0].split("=", 1)[0] != "--shares"]
+        args = [w for g in groups for w in g] + ["--shares", str(self.nodes)]
+        if not any(g[0].split("=", 1)[0] == "--workers" for g in groups):
+            args += ["--workers", str(workers)]
+        return args
 
     def _checkpoint_examples(self) -> str:
         """Where this cloud's checkpoints can go, in its own URL schemes."""
@@ -292,7 +369,8 @@ def add_spec_flags(
         "train_args",
         nargs="*",
         metavar="-- TRAINING FLAGS",
-        help="flags for `torchrec-cloud train` after a lone '--' (e.g. -- --batch_size 4096)",
+        help="flags for `torchrec-cloud train` after a lone '--' (e.g. -- --batch_size 4096); with --job "
+        "preprocess, for `data preprocess` (-- --schema FILE --input URL... --output URL)",
     )
 
 

@@ -80,7 +80,7 @@ def add_submit_flags(parser: argparse.ArgumentParser, target: Optional[str] = No
 
 
 # --identity stays: Azure ML runs the job as that managed identity, Vertex AI as that service account.
-KUBERNETES_ONLY = ("launcher", "namespace", "storage", "storage_claim", "rdma", "cluster_monitoring",
+KUBERNETES_ONLY = ("job", "launcher", "namespace", "storage", "storage_claim", "rdma", "cluster_monitoring",
                    "grace_period_s", "backoff_limit")
 
 
@@ -253,7 +253,11 @@ def placeholders(spec: DeploySpec, target: str) -> list[str]:
 
 
 def run(ns: argparse.Namespace) -> int:
+    from torchrec_cloud.config import ConfigError
+
     spec = spec_from_args(ns)
+    if spec.job != "train" and ns.target != "kubernetes":
+        raise ConfigError("job", f"--job {spec.job} is a Kubernetes Indexed Job: --target kubernetes")
     if not ns.dry_run:
         problems = placeholders(spec, ns.target)
         for problem in problems:

@@ -4,6 +4,8 @@ would run them, with the faults a cluster brings. Rehearse here before paying fo
     torchrec-cloud rehearse --launcher job --nodes 2 --preempt 1@20 -- --num_epochs 2
     torchrec-cloud rehearse --cloud gcp --launcher trainjob --nodes 2 --reclaim 0@15 --lose 1@40 --json
     torchrec-cloud rehearse --launcher pytorchjob --nodes 2 --evict 1@25 --evict 1@25 --evict 1@25
+    torchrec-cloud rehearse --job preprocess --nodes 2 --kill 1@1 -- --schema schema.yaml \\
+        --input events/ --output shards/
 
 The bundle is the one ``render`` writes for the same flags (it passes the same admission
 checks), with this machine's folders as the run's output and checkpoint destination
@@ -12,8 +14,9 @@ pod's environment (``pods.py``), under its launcher's controller: Kubernetes' Jo
 controller (``job``), Kubeflow Training Operator v1.9 (``pytorchjob``), Kubeflow Trainer
 v2.3 with JobSet v0.12 (``trainjob``); each rule names its source in ``controllers.py``.
 
-Faults (``faults.py``), each firing once its pod's attempt has seen the run log step STEP,
-each repeatable:
+Faults (``faults.py``), each firing once its pod's attempt has seen the run log step STEP
+(``--job preprocess``: once the pod's share has committed STEP shards, one of them in this
+attempt), each repeatable:
 
   --preempt POD@STEP  a drain: DisruptionTarget, SIGTERM, SIGKILL after the pod's grace
   --reclaim POD@STEP  a spot reclaim: DisruptionTarget, SIGTERM, SIGKILL after the cloud's
@@ -27,7 +30,10 @@ each repeatable:
 
 Exit code 0 when the job completes as its controller would see it; ``--json`` ends with one
 JSON object (``completed``, ``outcome``, ``pods``, ``restarts``, ``faults``, ``final``,
-``resumes``, ``resumed_from``: the checkpoint step each restart resumed from).
+``resumes``, ``resumed_from``: the checkpoint step each restart resumed from). A
+preprocessing job (``--job preprocess``, its ``data preprocess`` flags after ``--``) writes
+the dataset where its ``--output`` says; it completes once its manifest is there (``final``:
+its ``rows`` and ``shards``).
 """
 
 from __future__ import annotations

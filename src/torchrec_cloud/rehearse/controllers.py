@@ -186,7 +186,7 @@ class JobRules:
 class IndexedJob(Controller):
     """batch/v1 Job, completionMode Indexed, restartPolicy Never."""
 
-    def __init__(self, job: dict[str, Any], endpoint: str, **kw) -> None:
+    def __init__(self, job: dict[str, Any], endpoint: Optional[str], **kw) -> None:
         spec = job["spec"]
         (container,) = spec["template"]["spec"]["containers"]
         template = PodTemplate(container["name"], container.get("command", []) + container.get("args", []),
@@ -398,8 +398,8 @@ def build_controller(docs: list[dict[str, Any]], launcher: str, **kw) -> Control
     by_kind = {d["kind"]: d for d in docs}
     if launcher == "job":
         job = by_kind["Job"]
-        svc = by_kind["Service"]
-        endpoint = f"{job['metadata']['name']}-0.{svc['metadata']['name']}:{svc['spec']['ports'][0]['port']}"
+        svc = by_kind.get("Service")  # none for a preprocessing job: its pods never talk
+        endpoint = f"{job['metadata']['name']}-0.{svc['metadata']['name']}:{svc['spec']['ports'][0]['port']}" if svc else None
         return IndexedJob(job, endpoint, **kw)
     if launcher == "pytorchjob":
         return PyTorchJob(by_kind["PyTorchJob"], **kw)

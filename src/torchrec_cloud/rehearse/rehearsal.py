@@ -54,12 +54,18 @@ def rehearse(spec, faults: list[Fault], output: Path, timeout_s: float, delay_sc
     }
     pods = Pods(pods_dir, base_env, say)
     controller = build_controller(docs, spec.launcher, pods=pods, say=say, delay_scale=delay_scale)
-    run_dir = Path(_flag_value(spec.trainer_args("/unused"), "--output_dir") or "")
-    progress = reporting.Progress(run_dir / "metrics.jsonl")
+    if spec.job == "preprocess":
+        dataset = _flag_value(spec.train_args, "--output")
+        run_dir = None
+        progress = reporting.ShareProgress(dataset, spec.nodes)
+    else:
+        dataset = None
+        run_dir = Path(_flag_value(spec.trainer_args("/unused"), "--output_dir") or "")
+        progress = reporting.Progress(run_dir / "metrics.jsonl")
 
     def mark(attempt) -> None:
         progress.poll()
-        attempt.progress_mark = progress.mark
+        attempt.progress_mark = progress.mark_of(attempt)
 
     controller.on_start = mark
     grace = spec.reclaim_grace_s or profile.spot["reclaim_grace_s"]
@@ -76,7 +82,7 @@ def rehearse(spec, faults: list[Fault], output: Path, timeout_s: float, delay_sc
                 break
             controller.tick()
             progress.poll()
-            injected.tick(lambda attempt: progress.step_since(attempt.progress_mark))
+            injected.tick(progress.step_of)
             if time.monotonic() - last_scrape > SCRAPE_EVERY_S:
                 last_scrape = time.monotonic()
                 for a in pods.live:
@@ -87,7 +93,7 @@ def rehearse(spec, faults: list[Fault], output: Path, timeout_s: float, delay_sc
         pods.stop_all()
         controller.close()
     progress.poll()
-    return reporting.build(spec, controller, faults, served, run_dir, timed_out, output, progress)
+    return reporting.build(spec, controller, faults, served, run_dir, timed_out, output, progress, dataset)
 
 
 def _output_folder(ns: argparse.Namespace) -> Path:
@@ -102,21 +108,26 @@ def _output_folder(ns: argparse.Namespace) -> Path:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from torchrec_cloud.deploy.spec import spec_from_args, trainer_flags
+    from torchrec_cloud.deploy.spec import preprocess_flags, spec_from_args, trainer_flags
 
     if ns.nproc_per_node < 1:
         raise ConfigError("nproc_per_node", f"must be >= 1, got {ns.nproc_per_node}")
     if ns.grace_s is not None and ns.grace_s < 1:
         raise ConfigError("grace_s", f"must be >= 1 (seconds), got {ns.grace_s}")
+    if ns.job == "preprocess":  # --shares among its flags may set the pods' number
+        ns.nodes = spec_from_args(ns).nodes
     faults = [Fault.parse(kind, text, ns.nodes) for kind in KINDS for text in getattr(ns, kind)]
     output = _output_folder(ns)
-    ns.train_args = respelled(ns.train_args or [], trainer_flags())  # `--output-dir` is `--output_dir`
     ns.gpus_per_node, ns.procs_per_node, ns.instance_type = 0, ns.nproc_per_node, None
     ns.reclaim_grace_s = ns.grace_s
-    if not ns.checkpoint_url and "--checkpoint_path" not in (ns.train_args or []):
-        ns.checkpoint_url = str(output / "checkpoints")
-    if "--output_dir" not in (ns.train_args or []):
-        ns.train_args = [*(ns.train_args or []), "--output_dir", str(output / "run")]
+    if ns.job == "preprocess":  # the pods write the dataset where its --output says
+        ns.train_args = respelled(ns.train_args or [], preprocess_flags())
+    else:
+        ns.train_args = respelled(ns.train_args or [], trainer_flags())  # `--output-dir` is `--output_dir`
+        if not ns.checkpoint_url and "--checkpoint_path" not in (ns.train_args or []):
+            ns.checkpoint_url = str(output / "checkpoints")
+        if "--output_dir" not in (ns.train_args or []):
+            ns.train_args = [*(ns.train_args or []), "--output_dir", str(output / "run")]
     start = time.monotonic()
 
     def say(message: str) -> None:

@@ -24,7 +24,7 @@ import json
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from torchrec_cloud.progress import plural
 
@@ -68,9 +68,46 @@ class Progress:
     def mark(self) -> int:
         return len(self.steps)
 
+    def mark_of(self, attempt) -> int:
+        return self.mark
+
     def step_since(self, mark: int) -> int:
         """The latest step logged after ``mark`` (-1: none yet)."""
         return self.steps[-1] if len(self.steps) > mark else -1
+
+    def step_of(self, attempt) -> int:
+        """A fault's STEP as ``attempt`` has seen it: the run's latest step, once it logged one."""
+        return self.step_since(attempt.progress_mark)
+
+
+class ShareProgress:
+    """A preprocessing job's progress: the shards each share has committed (their ``.done``
+    markers under the dataset's output; input ``s`` belongs to share ``s mod shares``). A
+    fault's STEP is a count of them: ``--kill 1@2`` fires once share 1 has committed two
+    shards, one of them by the attempt running then."""
+
+    def __init__(self, dataset: str, shares: int) -> None:
+        self.dataset, self.shares = dataset, shares
+
+    def poll(self) -> None:
+        pass
+
+    def committed(self, index: int) -> int:
+        from torchrec_cloud import storage
+        from torchrec_cloud.data.dataset import SHARD_DIR
+
+        try:
+            names = storage.listdir(storage.join(self.dataset, SHARD_DIR))
+        except storage.StorageNotFoundError:
+            return 0
+        return sum(1 for n in names if n.endswith(".done") and n[:5].isdigit() and int(n[:5]) % self.shares == index)
+
+    def mark_of(self, attempt) -> int:
+        return self.committed(attempt.index)
+
+    def step_of(self, attempt) -> int:
+        done = self.committed(attempt.index)
+        return done if done > attempt.progress_mark else -1
 
 
 def scrape(port: int) -> bool:
@@ -97,10 +134,12 @@ def costs(fault, progress: Progress) -> dict[str, Any]:
             "downtime_s": round(back - fault.fired_at, 1) if back is not None else None}  # fmt: skip
 
 
-def build(spec, controller, faults, served, run_dir: Path, timed_out: bool, output: Path,
-          progress: Progress) -> dict[str, Any]:  # fmt: skip
+def build(spec, controller, faults, served, run_dir: Optional[Path], timed_out: bool, output: Path,
+          progress, dataset: Optional[str] = None) -> dict[str, Any]:  # fmt: skip
+    """The report; ``dataset``: a preprocessing job's output, whose manifest says it finished
+    (``final``: its rows and shards) where a training run's records do."""
     records = []
-    if (run_dir / "metrics.jsonl").exists():
+    if run_dir is not None and (run_dir / "metrics.jsonl").exists():
         for line in (run_dir / "metrics.jsonl").read_text().splitlines():
             try:
                 records.append(json.loads(line))
@@ -114,6 +153,11 @@ def build(spec, controller, faults, served, run_dir: Path, timed_out: bool, outp
             final["step"] = evals[-1]["step"]
     ends = [r for r in records if r.get("event") == "end"]
     finished_run = bool(ends) and not ends[-1].get("preempted")
+    if dataset is not None:
+        manifest = _manifest(dataset)
+        finished_run = manifest is not None
+        if manifest is not None:
+            final = {"rows": manifest["rows"], "shards": len(manifest["shards"])}
     completed = controller.outcome == "complete" and finished_run and not timed_out
     starts: list[int] = []  # per start of the trainer: the step it resumed from
     for r in records:
@@ -137,8 +181,8 @@ def build(spec, controller, faults, served, run_dir: Path, timed_out: bool, outp
             for i in range(spec.nodes)
         ],
         "restarts": controller.restarts,
-        "faults": [{**{k: v for k, v in dataclasses.asdict(f).items() if k != "fired_at"}, **costs(f, progress)}
-                   for f in faults],  # fmt: skip
+        "faults": [{**{k: v for k, v in dataclasses.asdict(f).items() if k != "fired_at"},
+                    **(costs(f, progress) if isinstance(progress, Progress) else {})} for f in faults],  # fmt: skip
         "final": final,
         "resumes": [r["step"] for r in records if r.get("event") == "resume"],
         "resumed_from": starts[1:],
@@ -146,16 +190,26 @@ def build(spec, controller, faults, served, run_dir: Path, timed_out: bool, outp
     }
 
 
+def _manifest(dataset: str) -> Optional[dict[str, Any]]:
+    """The dataset's manifest as written (None while there is none)."""
+    from torchrec_cloud import storage
+    from torchrec_cloud.data.dataset import MANIFEST, MAX_MANIFEST_BYTES
+    from torchrec_cloud.untrusted import read_json
+
+    url = storage.join(dataset, MANIFEST)
+    return read_json(url, MAX_MANIFEST_BYTES) if storage.exists(url) else None
+
+
 def summary(report: dict[str, Any]) -> str:
     lines = []
     for f in report["faults"]:
-        if f["fired"] and f["downtime_s"] is not None:
+        if f["fired"] and f.get("downtime_s") is not None:
             lines.append(f"--{f['kind']} {f['pod']}@{f['step']}: fired at step {f['fired_step']}; {f['lost_steps']} "
                          f"step(s) lost; training again {f['downtime_s']:g} s later")  # fmt: skip
     lines.append(f"{'pod':>4}  exit codes (one per attempt)")
     lines += [f"{pod['index']:>4}  {' '.join(str(c) for c in pod['exit_codes'])}" for pod in report["pods"]]
     final = report["final"]
-    scores = ", ".join(f"{k} {v:.6f}" for k, v in final.items() if k != "step")
+    scores = ", ".join(f"{k} {v:.6f}" if isinstance(v, float) else f"{k} {v}" for k, v in final.items() if k != "step")
     resumed = ", ".join(str(s) for s in report["resumed_from"])
     lines.append(f"{'completed' if report['completed'] else 'NOT completed'} ({report['outcome']}); "
                  f"{plural(report['restarts'], 'restart')}" + (f", resumed from step {resumed}" if resumed else "")
