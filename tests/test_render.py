@@ -24,7 +24,10 @@ from torchrec_cloud.config import ConfigError
 from torchrec_cloud.deploy import admission
 from torchrec_cloud.deploy.manifests import LAUNCHER_TEMPLATES, load_documents, render_bundle, render_storage
 from torchrec_cloud.deploy.profiles import load_profile, profile_names
+from torchrec_cloud.deploy.schedulable import pod_specs
 from torchrec_cloud.deploy.spec import DeploySpec, TrainFlagsError
+
+from pod_security import violations
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMAS = ROOT / "tests" / "schemas"
@@ -40,7 +43,8 @@ CRD_FILES = {
 # What each cloud's collector needs beside the pod metadata (monitoring_profiles.yaml.j2);
 # EKS's CloudWatch ConfigMaps configure the agent for the whole cluster: only on request.
 COLLECTOR_KINDS = {"aws": [], "azure": ["PodMonitor"], "gcp": ["PodMonitoring"], "generic": []}
-LAUNCHER_KINDS = {"job": ["Service", "Job"], "pytorchjob": ["PyTorchJob"], "trainjob": ["TrainingRuntime", "TrainJob"]}
+LAUNCHER_KINDS = {"job": ["Service", "Job", "NetworkPolicy"], "pytorchjob": ["PyTorchJob", "NetworkPolicy"],
+                  "trainjob": ["TrainingRuntime", "TrainJob", "NetworkPolicy"]}
 
 
 def collector_kinds(cloud: str, launcher: str, cluster_monitoring: bool = False) -> list[str]:
@@ -151,6 +155,7 @@ def test_every_cloud_and_launcher_renders_valid_objects(cloud, launcher, spot):
     for doc in docs:
         validate(doc)
     assert admission.check(docs) == []  # what the API server and the operators' webhooks admit
+    assert_hardened(docs)
     text = render_bundle(DeploySpec(cloud=cloud, launcher=launcher, nodes=3, gpus_per_node=8, spot=spot,
                                     checkpoint_url=ckpt))
     profile = load_profile(cloud)
@@ -239,7 +244,8 @@ def test_indexed_job_wiring():
     assert term["labelSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     # Memory capped at the request: a leak is an OOM kill (counted), not a node-pressure
     # eviction (DisruptionTarget: restarted uncounted).
-    assert c["resources"]["limits"] == {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 4, "memory": "1000Gi"}
+    assert c["resources"]["limits"] == {"cpu": "88", "memory": "1000Gi", "nvidia.com/gpu": 8,
+                                        "vpc.amazonaws.com/efa": 4}
     assert c["resources"]["requests"]["memory"] == "1000Gi"
     assert spec["securityContext"]["runAsNonRoot"] is True
     # What the pods are told about their grace (not spot: the pod's own), and what the Job needs.
@@ -432,8 +438,112 @@ def test_a_new_cloud_is_only_data(tmp_path):
 def test_cpu_nodes_request_no_gpu():
     job = by_kind(render(cloud="generic", launcher="job", nodes=2, gpus_per_node=0, procs_per_node=2), "Job")
     (c,) = job["spec"]["template"]["spec"]["containers"]
-    assert "resources" not in c
     assert "--nproc_per_node=2" in c["args"]
+    # cpu and memory per process (the profile's process_resources), /dev/shm inside the limit.
+    assert c["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"},
+                              "limits": {"cpu": "4", "memory": "24Gi"}}
+
+
+def _bytes(quantity: str) -> int:
+    number, unit = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti)?", str(quantity)).groups()
+    return int(number) * {None: 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}[unit]
+
+
+def assert_hardened(docs: list[dict]) -> None:
+    """Every pod any object of the bundle creates, whatever its kind: the restricted Pod
+    Security Standard (tests/pod_security.py), no API token, cpu and memory requested and
+    capped, /dev/shm inside the memory limit."""
+    specs = list(pod_specs(docs))
+    assert specs, [d["kind"] for d in docs]
+    for spec in specs:
+        assert violations(spec) == []
+        assert spec["automountServiceAccountToken"] is False
+        for c in spec["containers"]:
+            for part in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(c["resources"][part]), (c["name"], c["resources"])
+            shm = [_bytes(v["emptyDir"]["sizeLimit"]) for v in spec["volumes"]
+                   if v.get("emptyDir", {}).get("medium") == "Memory"]
+            assert shm and sum(shm) < _bytes(c["resources"]["limits"]["memory"])
+    (sa,) = [d for d in docs if d["kind"] == "ServiceAccount"]
+    assert sa["automountServiceAccountToken"] is False
+    (ns,) = [d for d in docs if d["kind"] == "Namespace"]
+    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+
+
+@pytest.mark.parametrize("cloud", CLOUDS)
+@pytest.mark.parametrize("launcher", list(LAUNCHER_TEMPLATES))
+def test_cpu_pods_are_hardened_too(cloud, launcher):
+    """CPU-only jobs (no instance type, no plan): the same standard, and requests and limits."""
+    docs = render(cloud=cloud, launcher=launcher, nodes=2, gpus_per_node=0, procs_per_node=2)
+    for doc in docs:
+        validate(doc)
+    assert_hardened(docs)
+
+
+def test_the_restricted_checker_finds_each_violation():
+    """tests/pod_security.py can fail: each field a pod could carry against the standard."""
+    job = by_kind(render(cloud="generic", launcher="job", nodes=2, gpus_per_node=0), "Job")
+    good = job["spec"]["template"]["spec"]
+    assert violations(good) == []
+    cases = {
+        "host_namespaces": lambda s: s.update(hostPID=True),
+        "privileged": lambda s: s["containers"][0]["securityContext"].update(privileged=True),
+        "volumes": lambda s: s["volumes"].append({"name": "h", "hostPath": {"path": "/"}}),
+        "host_ports": lambda s: s["containers"][0]["ports"][0].update(hostPort=29600),
+        "privilege_escalation": lambda s: s["containers"][0]["securityContext"].pop("allowPrivilegeEscalation"),
+        "run_as_non_root": lambda s: s["securityContext"].pop("runAsNonRoot"),
+        "run_as_user": lambda s: s["containers"][0].setdefault("securityContext", {}).update(runAsUser=0),
+        "seccomp": lambda s: s["securityContext"].pop("seccompProfile"),
+        "capabilities": lambda s: s["containers"][0]["securityContext"]["capabilities"].update(add=["IPC_LOCK"]),
+        "sysctls": lambda s: s["securityContext"].update(sysctls=[{"name": "kernel.msgmax", "value": "1"}]),
+        "proc_mount": lambda s: s["containers"][0]["securityContext"].update(procMount="Unmasked"),
+    }
+    for rule, mutate in cases.items():
+        bad = copy.deepcopy(good)
+        mutate(bad)
+        found = violations(bad)
+        assert found and all(f.startswith(rule + ":") for f in found), (rule, found)
+    bad = copy.deepcopy(good)
+    bad["containers"][0]["securityContext"]["capabilities"] = {"add": ["NET_BIND_SERVICE"]}
+    assert violations(bad) == ["capabilities: trainer: capabilities do not drop ALL"]
+
+
+def test_rdma_pods_add_ipc_lock_and_the_namespace_only_warns():
+    """InfiniBand needs IPC_LOCK, outside the restricted standard: only pods that ask for the
+    RDMA device get it, and their Namespace then warns and audits instead of refusing them."""
+    docs = render(cloud="azure", launcher="job", nodes=2, gpus_per_node=8, rdma=True)
+    (spec,) = list(pod_specs(docs))
+    assert violations(spec) == ["capabilities: trainer: adds ['IPC_LOCK']"]
+    labels = by_kind(docs, "Namespace")["metadata"]["labels"]
+    assert "pod-security.kubernetes.io/enforce" not in labels
+    assert labels["pod-security.kubernetes.io/warn"] == "restricted"
+
+
+@pytest.mark.parametrize("cloud", CLOUDS)
+def test_network_policy_admits_the_job_and_its_collector_only(cloud):
+    """One NetworkPolicy per job: the job's own pods on every port (c10d store, gloo/NCCL on
+    ephemeral ports), the cloud's collector on exactly the ranks' metrics ports, no one else."""
+    from torchrec_cloud.deploy.manifests import build_context
+
+    docs = render(cloud=cloud, launcher="job", nodes=2, gpus_per_node=8, train_args=["--prometheus_port", "30000"])
+    policy = by_kind(docs, "NetworkPolicy")
+    validate(policy)
+    job = by_kind(docs, "Job")
+    pod_labels = job["spec"]["template"]["metadata"]["labels"]
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    assert selector.items() <= pod_labels.items()
+    assert policy["metadata"]["namespace"] == job["metadata"]["namespace"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    own, *collector = policy["spec"]["ingress"]
+    assert own == {"from": [{"podSelector": {"matchLabels": selector}}]}  # same namespace, any port
+    scraped_from = build_context(DeploySpec(cloud=cloud, nodes=2, gpus_per_node=8))["monitoring"].scraped_from
+    assert scraped_from, f"{cloud}: no collector to admit"
+    (rule,) = collector
+    assert rule["from"] == scraped_from
+    metrics = sorted(p["containerPort"] for p in job["spec"]["template"]["spec"]["containers"][0]["ports"]
+                     if p["name"].startswith("metrics-"))
+    assert metrics == list(range(30000, 30008))
+    assert rule["ports"] == [{"protocol": "TCP", "port": 30000, "endPort": 30007}]
 
 
 @pytest.mark.parametrize(
