@@ -464,6 +464,11 @@ def assert_hardened(docs: list[dict]) -> None:
             shm = [_bytes(v["emptyDir"]["sizeLimit"]) for v in spec["volumes"]
                    if v.get("emptyDir", {}).get("medium") == "Memory"]
             assert shm and sum(shm) < _bytes(c["resources"]["limits"]["memory"])
+    for job in (d for d in docs if d["kind"] == "PyTorchJob"):
+        # training-operator adds its init container (no security context, refused by the
+        # restricted namespace) to the workers of a job with a Master replica only
+        # (pkg/controller.v1/pytorch/initcontainer.go, setInitContainer).
+        assert list(job["spec"]["pytorchReplicaSpecs"]) == ["Worker"]
     (sa,) = [d for d in docs if d["kind"] == "ServiceAccount"]
     assert sa["automountServiceAccountToken"] is False
     (ns,) = [d for d in docs if d["kind"] == "Namespace"]
