@@ -1,8 +1,9 @@
 """The Kubernetes "restricted" Pod Security Standard as a checker of rendered pod specs.
 
 The rules as the API server's Pod Security Admission applies them at level ``restricted``
-(which includes ``baseline``), read from kubernetes/kubernetes
-staging/src/k8s.io/pod-security-admission/policy/ (release-1.33: check_hostNamespaces.go,
+(which includes ``baseline``), from kubernetes/kubernetes
+staging/src/k8s.io/pod-security-admission/policy/ (check_restrictedVolumes.go read at
+b8ff6a45; the others by their names in that folder: check_hostNamespaces.go,
 check_privileged.go, check_capabilities_restricted.go, check_hostPathVolumes.go,
 check_restrictedVolumes.go, check_hostPorts.go, check_appArmorProfile.go,
 check_seLinuxOptions.go, check_procMount.go, check_seccompProfile_restricted.go,

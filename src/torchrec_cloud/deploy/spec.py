@@ -31,8 +31,9 @@ _MAX_NAME = 52
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 
 # An image reference as the container runtimes parse it: the grammar of
-# github.com/distribution/reference regexp.go (v0.6.0, as vendored in kubernetes/kubernetes
-# 1.33: ReferenceRegexp = name [":" tag] ["@" digest]). Python's re has no [[:xdigit:]].
+# github.com/distribution/reference regexp.go, as vendored in kubernetes/kubernetes
+# (vendor/github.com/distribution/reference/regexp.go at fde22c3f: ReferenceRegexp =
+# name [":" tag] ["@" digest]). Python's re has no [[:xdigit:]].
 _ALNUM = r"[a-z0-9]+"
 _SEPARATOR = r"(?:[._]|__|[-]+)"
 _PATH_COMPONENT = _ALNUM + rf"(?:{_SEPARATOR}{_ALNUM})*"
