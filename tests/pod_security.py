@@ -8,8 +8,8 @@ check_privileged.go, check_capabilities_restricted.go, check_hostPathVolumes.go,
 check_restrictedVolumes.go, check_hostPorts.go, check_appArmorProfile.go,
 check_seLinuxOptions.go, check_procMount.go, check_seccompProfile_restricted.go,
 check_sysctls.go, check_allowPrivilegeEscalation.go, check_runAsNonRoot.go,
-check_runAsUser.go, check_windowsHostProcess.go) and the kubernetes.io page "Pod Security
-Standards" (v1.33). Each rule is one function returning what it finds; ``violations`` runs
+check_runAsUser.go, check_windowsHostProcess.go) and the kubernetes.io page ("Pod Security
+Standards", as known, not re-read here). Each rule is one function returning what it finds; ``violations`` runs
 them all on one pod spec::
 
     for spec in pod_specs(docs):
