@@ -327,6 +327,31 @@ def is_placeholder(word: str) -> bool:
             or bool(re.fullmatch(r"<[^>]+>", word)))
 
 
+# Flags whose value has a grammar (deploy/spec.py): a placeholder there stands for a value that
+# passes it, and is checked and run as this one.
+SAMPLES = {"image": "registry.example/torchrec-cloud:0.1.0"}
+
+
+def holds_placeholder(word: str) -> bool:
+    """A placeholder, or a value with one inside (``REGISTRY/PROJECT/torchrec-cloud:0.1.0``)."""
+    return is_placeholder(word) or bool(re.search(r"(^|[/:.@-])[A-Z][A-Z0-9_]*($|[/:.@-])", word))
+
+
+def runnable(args: list[str]) -> list[str]:
+    """``args`` as a command may run them: placeholders as plain words (``plain_value``), or
+    as a ``SAMPLES`` value after a flag that has one."""
+    out: list[str] = []
+    for i, word in enumerate(args):
+        flag, eq, value = word.partition("=")
+        if eq and flag.startswith("--") and flag[2:] in SAMPLES and holds_placeholder(value):
+            out.append(f"{flag}={SAMPLES[flag[2:]]}")
+        elif i and args[i - 1].startswith("--") and args[i - 1][2:] in SAMPLES and holds_placeholder(word):
+            out.append(SAMPLES[args[i - 1][2:]])
+        else:
+            out.append(plain_value(word))
+    return out
+
+
 def _sample(kind: Optional[Callable], choices) -> object:
     if choices:
         return next(iter(choices))
@@ -347,10 +372,12 @@ def lenient(parser: argparse.ArgumentParser, substituted: Optional[set[str]] = N
         if isinstance(action, argparse._SubParsersAction):
             for sub in dict.fromkeys(action.choices.values()):
                 lenient(sub, substituted)
-        elif action.type is not None or action.choices is not None:
+        elif action.type is not None or action.choices is not None or action.dest in SAMPLES:
             kind, choices, dest = action.type, action.choices, action.dest
 
             def typed(word, kind=kind, choices=choices, dest=dest):
+                if dest in SAMPLES and holds_placeholder(word):
+                    return SAMPLES[dest]
                 if is_placeholder(word) and (choices is not None or kind not in (None, str)):
                     substituted.add(dest)
                     return _sample(kind, choices)
@@ -518,7 +545,7 @@ class Checker:
             self.fail(ex, f"refused: {' '.join(str(e).split())}")
             return
         if command in ("render", "plan") or command == "submit" and ns.target == "kubernetes":
-            run = [plain_value(a) for a in args]
+            run = runnable(args)
             self.run_in_process(ex, run[:1] + (["--dry-run"] if command == "submit" and not ns.dry_run else []) + run[1:])
         elif command == "checkpoint" and self.local_paths_exist(ns, args):
             self.run_in_process(ex, args, codes=(0, 1))  # 1: what it found incomplete or damaged
@@ -688,7 +715,7 @@ class Checker:
 
         with captured() as (out, err):
             # --dry-run before a '--': what follows it is the training flags
-            code = main(module.trainer, ["--dry-run", *[plain_value(a) for a in args if a != "--dry-run"]])
+            code = main(module.trainer, ["--dry-run", *runnable([a for a in args if a != "--dry-run"])])
         if code != 0:
             self.fail(ex, f"refused: {_error_line(err.getvalue())}")
 

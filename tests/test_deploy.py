@@ -85,7 +85,8 @@ def test_render_command_line_prints_multi_document_yaml():
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, timeout=300)
     assert done.returncode == 0, done.stderr
     docs = load_documents(done.stdout)
-    assert [d["kind"] for d in docs] == ["Namespace", "ServiceAccount", "Service", "Job", "PodMonitoring"]
+    assert [d["kind"] for d in docs] == ["Namespace", "ServiceAccount", "Service", "Job", "NetworkPolicy",
+                                         "PodMonitoring"]
     job = docs[3]
     assert job["spec"]["parallelism"] == 3
     assert job["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.example/t:1"
@@ -175,8 +176,12 @@ def test_submit_refuses_a_cluster_older_than_the_bundle_needs(cli, tmp_path, lau
     fake_kubectl(tmp_path, new_enough)
     done = cli(*flags, "--kubectl", str(old))
     assert done.returncode == 0, done.stderr
-    applied = workload(load_documents((tmp_path / "applied.yaml").read_text()))
+    applied_docs = load_documents((tmp_path / "applied.yaml").read_text())
+    applied = workload(applied_docs)
     assert applied["metadata"]["annotations"]["torchrec-cloud/min-kubernetes"] == needed
+    # The job's NetworkPolicy is applied with it.
+    (policy,) = [d for d in applied_docs if d["kind"] == "NetworkPolicy"]
+    assert policy["metadata"]["namespace"] == applied["metadata"]["namespace"]
 
 
 def test_submit_refuses_placeholders_one_line_each(cli):

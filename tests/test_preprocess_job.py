@@ -55,7 +55,7 @@ def test_the_job_completes_with_the_killed_share_retried(rehearsed):
     assert [p["exit_codes"] for p in report["pods"]] == [[0], [137, 0]], report["pods"]
     assert "pod 1: failure 1 counted; replaced" in rehearsed["log"]  # backoffLimitPerIndex: this index only
     logs = [Path(p).read_text() for p in report["pods"][1]["logs"]]
-    assert "share 1 of 2: converted 2 input(s)" in logs[1] or "wrote " in logs[1], logs
+    assert "share 1 of 2: converted 2 inputs" in logs[1] or "wrote " in logs[1], logs
 
 
 def test_the_dataset_equals_one_machines(rehearsed):

@@ -25,7 +25,10 @@ from torchrec_cloud.config import ConfigError
 from torchrec_cloud.deploy import admission
 from torchrec_cloud.deploy.manifests import LAUNCHER_TEMPLATES, load_documents, render_bundle, render_storage
 from torchrec_cloud.deploy.profiles import load_profile, profile_names
+from torchrec_cloud.deploy.schedulable import pod_specs
 from torchrec_cloud.deploy.spec import DeploySpec, TrainFlagsError
+
+from pod_security import violations
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMAS = ROOT / "tests" / "schemas"
@@ -41,7 +44,8 @@ CRD_FILES = {
 # What each cloud's collector needs beside the pod metadata (monitoring_profiles.yaml.j2);
 # EKS's CloudWatch ConfigMaps configure the agent for the whole cluster: only on request.
 COLLECTOR_KINDS = {"aws": [], "azure": ["PodMonitor"], "gcp": ["PodMonitoring"], "generic": []}
-LAUNCHER_KINDS = {"job": ["Service", "Job"], "pytorchjob": ["PyTorchJob"], "trainjob": ["TrainingRuntime", "TrainJob"]}
+LAUNCHER_KINDS = {"job": ["Service", "Job", "NetworkPolicy"], "pytorchjob": ["PyTorchJob", "NetworkPolicy"],
+                  "trainjob": ["TrainingRuntime", "TrainJob", "NetworkPolicy"]}
 
 
 def collector_kinds(cloud: str, launcher: str, cluster_monitoring: bool = False) -> list[str]:
@@ -152,6 +156,7 @@ def test_every_cloud_and_launcher_renders_valid_objects(cloud, launcher, spot):
     for doc in docs:
         validate(doc)
     assert admission.check(docs) == []  # what the API server and the operators' webhooks admit
+    assert_hardened(docs)
     text = render_bundle(DeploySpec(cloud=cloud, launcher=launcher, nodes=3, gpus_per_node=8, spot=spot,
                                     checkpoint_url=ckpt))
     profile = load_profile(cloud)
@@ -240,7 +245,8 @@ def test_indexed_job_wiring():
     assert term["labelSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     # Memory capped at the request: a leak is an OOM kill (counted), not a node-pressure
     # eviction (DisruptionTarget: restarted uncounted).
-    assert c["resources"]["limits"] == {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 4, "memory": "1000Gi"}
+    assert c["resources"]["limits"] == {"cpu": "88", "memory": "1000Gi", "nvidia.com/gpu": 8,
+                                        "vpc.amazonaws.com/efa": 4}
     assert c["resources"]["requests"]["memory"] == "1000Gi"
     assert spec["securityContext"]["runAsNonRoot"] is True
     # What the pods are told about their grace (not spot: the pod's own), and what the Job needs.
@@ -433,8 +439,117 @@ def test_a_new_cloud_is_only_data(tmp_path):
 def test_cpu_nodes_request_no_gpu():
     job = by_kind(render(cloud="generic", launcher="job", nodes=2, gpus_per_node=0, procs_per_node=2), "Job")
     (c,) = job["spec"]["template"]["spec"]["containers"]
-    assert "resources" not in c
     assert "--nproc_per_node=2" in c["args"]
+    # cpu and memory per process (the profile's process_resources), /dev/shm inside the limit.
+    assert c["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"},
+                              "limits": {"cpu": "4", "memory": "24Gi"}}
+
+
+def _bytes(quantity: str) -> int:
+    number, unit = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti)?", str(quantity)).groups()
+    return int(number) * {None: 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}[unit]
+
+
+def assert_hardened(docs: list[dict]) -> None:
+    """Every pod any object of the bundle creates, whatever its kind: the restricted Pod
+    Security Standard (tests/pod_security.py), no API token, cpu and memory requested and
+    capped, /dev/shm inside the memory limit."""
+    specs = list(pod_specs(docs))
+    assert specs, [d["kind"] for d in docs]
+    for spec in specs:
+        assert violations(spec) == []
+        assert spec["automountServiceAccountToken"] is False
+        for c in spec["containers"]:
+            for part in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(c["resources"][part]), (c["name"], c["resources"])
+            shm = [_bytes(v["emptyDir"]["sizeLimit"]) for v in spec["volumes"]
+                   if v.get("emptyDir", {}).get("medium") == "Memory"]
+            assert shm and sum(shm) < _bytes(c["resources"]["limits"]["memory"])
+    for job in (d for d in docs if d["kind"] == "PyTorchJob"):
+        # training-operator adds its init container (no security context, refused by the
+        # restricted namespace) to the workers of a job with a Master replica only
+        # (pkg/controller.v1/pytorch/initcontainer.go, setInitContainer).
+        assert list(job["spec"]["pytorchReplicaSpecs"]) == ["Worker"]
+    (sa,) = [d for d in docs if d["kind"] == "ServiceAccount"]
+    assert sa["automountServiceAccountToken"] is False
+    (ns,) = [d for d in docs if d["kind"] == "Namespace"]
+    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+
+
+@pytest.mark.parametrize("cloud", CLOUDS)
+@pytest.mark.parametrize("launcher", list(LAUNCHER_TEMPLATES))
+def test_cpu_pods_are_hardened_too(cloud, launcher):
+    """CPU-only jobs (no instance type, no plan): the same standard, and requests and limits."""
+    docs = render(cloud=cloud, launcher=launcher, nodes=2, gpus_per_node=0, procs_per_node=2)
+    for doc in docs:
+        validate(doc)
+    assert_hardened(docs)
+
+
+def test_the_restricted_checker_finds_each_violation():
+    """tests/pod_security.py can fail: each field a pod could carry against the standard."""
+    job = by_kind(render(cloud="generic", launcher="job", nodes=2, gpus_per_node=0), "Job")
+    good = job["spec"]["template"]["spec"]
+    assert violations(good) == []
+    cases = {
+        "host_namespaces": lambda s: s.update(hostPID=True),
+        "privileged": lambda s: s["containers"][0]["securityContext"].update(privileged=True),
+        "volumes": lambda s: s["volumes"].append({"name": "h", "hostPath": {"path": "/"}}),
+        "host_ports": lambda s: s["containers"][0]["ports"][0].update(hostPort=29600),
+        "privilege_escalation": lambda s: s["containers"][0]["securityContext"].pop("allowPrivilegeEscalation"),
+        "run_as_non_root": lambda s: s["securityContext"].pop("runAsNonRoot"),
+        "run_as_user": lambda s: s["containers"][0].setdefault("securityContext", {}).update(runAsUser=0),
+        "seccomp": lambda s: s["securityContext"].pop("seccompProfile"),
+        "capabilities": lambda s: s["containers"][0]["securityContext"]["capabilities"].update(add=["IPC_LOCK"]),
+        "sysctls": lambda s: s["securityContext"].update(sysctls=[{"name": "kernel.msgmax", "value": "1"}]),
+        "proc_mount": lambda s: s["containers"][0]["securityContext"].update(procMount="Unmasked"),
+    }
+    for rule, mutate in cases.items():
+        bad = copy.deepcopy(good)
+        mutate(bad)
+        found = violations(bad)
+        assert found and all(f.startswith(rule + ":") for f in found), (rule, found)
+    bad = copy.deepcopy(good)
+    bad["containers"][0]["securityContext"]["capabilities"] = {"add": ["NET_BIND_SERVICE"]}
+    assert violations(bad) == ["capabilities: trainer: capabilities do not drop ALL"]
+
+
+def test_rdma_pods_add_ipc_lock_and_the_namespace_only_warns():
+    """InfiniBand needs IPC_LOCK, outside the restricted standard: only pods that ask for the
+    RDMA device get it, and their Namespace then warns and audits instead of refusing them."""
+    docs = render(cloud="azure", launcher="job", nodes=2, gpus_per_node=8, rdma=True)
+    (spec,) = list(pod_specs(docs))
+    assert violations(spec) == ["capabilities: trainer: adds ['IPC_LOCK']"]
+    labels = by_kind(docs, "Namespace")["metadata"]["labels"]
+    assert "pod-security.kubernetes.io/enforce" not in labels
+    assert labels["pod-security.kubernetes.io/warn"] == "restricted"
+
+
+@pytest.mark.parametrize("cloud", CLOUDS)
+def test_network_policy_admits_the_job_and_its_collector_only(cloud):
+    """One NetworkPolicy per job: the job's own pods on every port (c10d store, gloo/NCCL on
+    ephemeral ports), the cloud's collector on exactly the ranks' metrics ports, no one else."""
+    from torchrec_cloud.deploy.manifests import build_context
+
+    docs = render(cloud=cloud, launcher="job", nodes=2, gpus_per_node=8, train_args=["--prometheus_port", "30000"])
+    policy = by_kind(docs, "NetworkPolicy")
+    validate(policy)
+    job = by_kind(docs, "Job")
+    pod_labels = job["spec"]["template"]["metadata"]["labels"]
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    assert selector.items() <= pod_labels.items()
+    assert policy["metadata"]["namespace"] == job["metadata"]["namespace"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    own, *collector = policy["spec"]["ingress"]
+    assert own == {"from": [{"podSelector": {"matchLabels": selector}}]}  # same namespace, any port
+    scraped_from = build_context(DeploySpec(cloud=cloud, nodes=2, gpus_per_node=8))["monitoring"].scraped_from
+    assert scraped_from, f"{cloud}: no collector to admit"
+    (rule,) = collector
+    assert rule["from"] == scraped_from
+    metrics = sorted(p["containerPort"] for p in job["spec"]["template"]["spec"]["containers"][0]["ports"]
+                     if p["name"].startswith("metrics-"))
+    assert metrics == list(range(30000, 30008))
+    assert rule["ports"] == [{"protocol": "TCP", "port": 30000, "endPort": 30007}]
 
 
 @pytest.mark.parametrize(
@@ -644,10 +759,13 @@ def test_a_preprocessing_job_is_an_indexed_job_of_cpu_pods_like_training(cloud):
 
     docs = render(cloud=cloud, job="preprocess", nodes=3, image="registry.example/img:1", spot=True,
                   train_args=PREPROCESS)  # fmt: skip
-    assert [d["kind"] for d in docs] == ["Namespace", "ServiceAccount", "Job"]
+    assert [d["kind"] for d in docs] == ["Namespace", "ServiceAccount", "Job", "NetworkPolicy"]
     for doc in docs:
         validate(doc)
     assert admission.check(docs) == []
+    assert_hardened(docs)
+    # Nothing connects to a share's pod: no ingress at all.
+    assert by_kind(docs, "NetworkPolicy")["spec"]["ingress"] == []
     job = by_kind(docs, "Job")
     spec = job["spec"]
     assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", 3, 3)
@@ -669,14 +787,21 @@ def test_a_preprocessing_job_is_an_indexed_job_of_cpu_pods_like_training(cloud):
     assert ns.workers == int(profile.preprocess["requests"]["cpu"])
     assert {"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {
         "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}} in c["env"]  # fmt: skip
-    assert c["resources"] == {k: profile.preprocess[k] for k in ("requests", "limits")}
+    # The profile's requests and limits; /dev/shm (its own, smaller size) inside the memory limit.
+    shm = profile.preprocess["shm_size"]
+    assert c["resources"]["requests"] == profile.preprocess["requests"]
+    limits = profile.preprocess["limits"]
+    assert c["resources"]["limits"] == {"cpu": limits["cpu"], "memory": f"{_bytes(limits['memory']) + _bytes(shm) >> 30}Gi"}
+    (dshm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
+    assert dshm["emptyDir"]["sizeLimit"] == shm
     assert not any("gpu" in r for part in c["resources"].values() for r in part)
     train = by_kind(render(cloud=cloud, launcher="job", nodes=3, gpus_per_node=8, image="registry.example/img:1",
-                           spot=True, checkpoint_url="s3://b/ck"), "Job")  # fmt: skip
+                           spot=True, checkpoint_url="s3://b/ck", rdma=False), "Job")  # fmt: skip
     tpod = train["spec"]["template"]["spec"]
     (tc,) = tpod["containers"]
-    same = ("serviceAccountName", "securityContext", "tolerations", "volumes", "terminationGracePeriodSeconds")
+    same = ("serviceAccountName", "securityContext", "tolerations", "terminationGracePeriodSeconds")
     assert {k: pod.get(k) for k in same} == {k: tpod.get(k) for k in same}
+    assert [v for v in pod["volumes"] if v["name"] != "dshm"] == [v for v in tpod["volumes"] if v["name"] != "dshm"]
     # The spot pools of training, not its GPU machine type.
     assert pod.get("nodeSelector", {}) == {k: v for k, v in tpod.get("nodeSelector", {}).items() if k != profile.instance_label}
     assert "affinity" not in pod  # shares may share a node

@@ -529,3 +529,91 @@ def test_install_script_takes_torch_only_from_its_index_and_writes_no_fixed_tmp_
     assert "--extra-index-url" not in code and 'torch_index=(--index-url "$TORCH_INDEX_URL")' in code
     assert '"${pip[@]}" "${torch_index[@]}" "torch==$TORCH_VERSION" 2>&1' in code  # torch alone in that step
     assert "/tmp/" not in code and "mktemp" in code
+
+
+# -- flags that reach a manifest ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["render", "submit"])
+@pytest.mark.parametrize("flag, value", [
+    ("--image", "torchrec-cloud:0.1.0\n      hostPID: true"),  # the review's crafted input
+    ("--image", "torchrec-cloud:0.1.0 hostPID: true"),
+    ("--image", "Torchrec-Cloud:latest"),
+    ("--checkpoint_url", "s3://bucket/ckpt\nhostNetwork: true"),
+    ("--data_url", "s3://bucket/data\r\n  - name: x"),
+    ("--identity", "arn:aws:iam::1:role/r\u2028hostIPC: true"),
+    ("--shm_size", "8Gi\nhostPID: true"),
+    ("--name", "dlrm\nhostPID"),
+])
+def test_a_flag_value_that_could_add_a_key_is_refused_and_nothing_written(tmp_path, capsys, command, flag, value):
+    out = tmp_path / "out"
+    where = ["--output", str(out)] if command == "render" else ["--dry-run"]
+    cli_error(capsys, 2, [command, "--cloud", "generic", "--gpus_per_node", "0", *where, f"{flag}={value}"],
+              f"{flag}:")
+    assert not out.exists()
+
+
+def test_a_training_flag_with_a_line_break_is_refused(tmp_path, capsys):
+    out = tmp_path / "out"
+    cli_error(capsys, 2, ["render", "--cloud", "generic", "--gpus_per_node", "0", "--output", str(out), "--",
+                          "--job_id", "a\nhostPID: true"], "training flags")
+    assert not out.exists()
+
+
+def _strings(value: Any, swap: dict[str, str]) -> Any:
+    """``value`` with every string that is a key of ``swap`` replaced."""
+    if isinstance(value, dict):
+        return {_strings(k, swap): _strings(v, swap) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strings(v, swap) for v in value]
+    return swap.get(value, value) if isinstance(value, str) else value
+
+
+@pytest.mark.parametrize("launcher", ["job", "pytorchjob", "trainjob"])
+def test_values_that_pass_validation_stay_values(launcher):
+    """Valid but hostile values (YAML syntax, quotes, comment and anchor marks) render as the
+    values they are: the parsed bundle is the plain one with those strings in their places, no
+    key more or less."""
+    from torchrec_cloud.deploy.manifests import load_documents, render_bundle, render_storage
+    from torchrec_cloud.deploy.profiles import load_profile, with_values
+    from torchrec_cloud.deploy.spec import DeploySpec
+
+    hostile = {
+        "image": "localhost:5000/a__b/c--d:v1.0_rc-1@sha256:" + "e" * 64,
+        "checkpoint_url": "s3://b/ckpt: {hostPID: true} # '\" &a *a !!python/object |",
+        "data_url": "/data/- hostNetwork: true  [x, y] %{a}",
+        "identity": "arn:aws:iam::1:role/x\" hostPID: true #",
+        "job_id": "a:b@c/d+e",
+        "nfs_server": "10.0.0.1:/x@y",
+    }
+    plain = {k: f"plain-{k}" for k in hostile}
+    plain["image"] = "torchrec-cloud:plain"
+
+    def bundle(v: dict[str, str]) -> list[dict]:
+        profile = with_values(load_profile("azure"), [f"storage.nfs_server={v['nfs_server']}"])
+        spec = DeploySpec(cloud="azure", launcher=launcher, nodes=2, gpus_per_node=0, image=v["image"],
+                          checkpoint_url=v["checkpoint_url"], data_url=v["data_url"], identity=v["identity"],
+                          train_args=["--job_id", v["job_id"]])
+        return load_documents(render_bundle(spec, profile) + "---\n" + render_storage(spec, profile))
+
+    got = bundle(hostile)
+    assert _strings(got, {hostile[k]: plain[k] for k in hostile}) == bundle(plain)
+    text = json.dumps(got)
+    for value in hostile.values():
+        assert json.dumps(value)[1:-1] in text  # each value is there, whole
+
+
+def test_templates_quote_what_they_print_and_refuse_a_raw_line_break():
+    """Below validation: the `q` filter keeps any text one value of its key, and a value
+    printed without a placing filter cannot break a line (a comment, a shell line)."""
+    import yaml
+
+    from torchrec_cloud.deploy.manifests import environment
+
+    hostile = 'x"\n  hostPID: true\nhostNetwork: true # \\ \u2028 \''
+    assert yaml.safe_load(environment().from_string("spec:\n  image: {{ v | q }}\n").render(v=hostile)) == {
+        "spec": {"image": hostile}}
+    with pytest.raises(ConfigError, match="line break"):
+        environment().from_string("# note: {{ v }}\nimage: x\n").render(v="a\nhostPID: true")
+    with pytest.raises(ConfigError, match="shell script"):
+        environment().from_string('X="${X:-{{ v | shword }}}"').render(v="$(touch /tmp/x)")

@@ -54,7 +54,7 @@ MAX_FILE_BYTES = 2**50
 """Largest size a file's record may claim (1 PiB)."""
 
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 class UntrustedInputError(CommandError, ValueError):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,7 @@ def install_command(flavour: dict[str, Any], stack: dict[str, str], extras: str)
     index = flavour["torch_index_url"].format(cuda_nodot=flavour["cuda"].replace(".", ""))
     env = [f"VENV={flavour['venv']}", f"TORCHREC_CLOUD_DEVICE={flavour['device']}", f"TORCH_INDEX_URL={index}",
            f"EXTRAS={extras}"]
-    return " ".join(env) + " bash scripts/install.sh"
+    return " ".join(shlex.quote(e) for e in env) + " bash scripts/install.sh"
 
 
 def pinned_base(flavour_name: str, flavour: dict[str, Any], stack: dict[str, str]) -> str:

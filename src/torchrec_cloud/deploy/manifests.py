@@ -4,10 +4,14 @@
 (labels, node selector, env, volumes, the `torchrec-cloud launch` command); the templates in
 ``templates/`` only lay them out. Each launcher is a list of templates::
 
-    job         Namespace, ServiceAccount, headless Service, Indexed Job
-    --job preprocess: Namespace, ServiceAccount, Indexed Job of `data preprocess` pods
-    pytorchjob  Namespace, ServiceAccount, Kubeflow v1 PyTorchJob
-    trainjob    Namespace, ServiceAccount, Kubeflow Trainer v2 TrainingRuntime + TrainJob
+    job         Namespace, ServiceAccount, headless Service, Indexed Job, NetworkPolicy
+    --job preprocess: Namespace, ServiceAccount, Indexed Job of `data preprocess` pods, NetworkPolicy
+    pytorchjob  Namespace, ServiceAccount, Kubeflow v1 PyTorchJob, NetworkPolicy
+    trainjob    Namespace, ServiceAccount, Kubeflow Trainer v2 TrainingRuntime + TrainJob, NetworkPolicy
+
+Every pod meets the restricted Pod Security Standard, with cpu and memory requested and
+capped, and the job's NetworkPolicy admits only its own pods and its metrics collector
+(docs/security.md); every text value is printed quoted (``| q``) or as dumped YAML.
 
 Every bundle passes :mod:`torchrec_cloud.deploy.admission` (the API server's and the
 operators' webhooks' rules) before it is returned, and records the versions it needs.
@@ -22,27 +26,30 @@ gives the pod labels, annotations, metrics container ports and trainer flags)::
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from functools import lru_cache
 from typing import Any, Optional
 
 import jinja2
 import yaml
+from markupsafe import Markup
 
 from torchrec_cloud.config import ConfigError
 from torchrec_cloud.deploy.profiles import Profile, ProfileError, load_profile
-from torchrec_cloud.deploy.spec import DeploySpec
+from torchrec_cloud.deploy.spec import MEMORY_UNITS, DeploySpec, memory_bytes
 
 LAUNCHER_TEMPLATES = {
-    "job": ["namespace.yaml.j2", "serviceaccount.yaml.j2", "service.yaml.j2", "job.yaml.j2"],
-    "pytorchjob": ["namespace.yaml.j2", "serviceaccount.yaml.j2", "pytorchjob.yaml.j2"],
+    "job": ["namespace.yaml.j2", "serviceaccount.yaml.j2", "service.yaml.j2", "job.yaml.j2", "networkpolicy.yaml.j2"],
+    "pytorchjob": ["namespace.yaml.j2", "serviceaccount.yaml.j2", "pytorchjob.yaml.j2", "networkpolicy.yaml.j2"],
     # A TrainJob cannot set its JobSet's failure policy or its Job's podFailurePolicy (its
     # runtimePatches take pod metadata and a few container fields): the bundle carries a
     # TrainingRuntime of its own, which can.
-    "trainjob": ["namespace.yaml.j2", "serviceaccount.yaml.j2", "trainingruntime.yaml.j2", "trainjob.yaml.j2"],
+    "trainjob": ["namespace.yaml.j2", "serviceaccount.yaml.j2", "trainingruntime.yaml.j2", "trainjob.yaml.j2",
+                 "networkpolicy.yaml.j2"],
 }
 # `--job preprocess`: an Indexed Job of `data preprocess` pods (no Service: they never talk).
-PREPROCESS_TEMPLATES = ["namespace.yaml.j2", "serviceaccount.yaml.j2", "preprocess_job.yaml.j2"]
+PREPROCESS_TEMPLATES = ["namespace.yaml.j2", "serviceaccount.yaml.j2", "preprocess_job.yaml.j2", "networkpolicy.yaml.j2"]
 SERVICE_ACCOUNT = "torchrec-trainer"
 JOB_LABEL = "torchrec-cloud/job"
 # The pods' annotation with the plan made before rendering (`kubectl describe pod`).
@@ -66,6 +73,15 @@ def _str_block(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
 _BlockDumper.add_representer(str, _str_block)
 
 
+class Placed(str):
+    """Text a filter made safe for the place it is printed: a quoted YAML scalar, a YAML block,
+    a shell word. Everything else a template prints must hold no line break (``_finalize``)."""
+
+
+def _placed(fn):
+    return lambda *args, **kw: Placed(fn(*args, **kw))
+
+
 def _dump(value: Any) -> str:
     return yaml.dump(value, Dumper=_BlockDumper, default_flow_style=False, sort_keys=False, width=1000).rstrip("\n")
 
@@ -86,6 +102,46 @@ def _yaml_block(value: Any, indent: int) -> str:
     return "\n".join(pad + line for line in _dump(value).splitlines())
 
 
+def _quoted(value: Any) -> str:
+    """``value`` as one double-quoted scalar (JSON's string syntax is YAML's): whatever it holds,
+    it stays the value of its key and can add none."""
+    return json.dumps(str(value))
+
+
+# Line breaks as YAML, a shell or a Dockerfile see them.
+_LINE_BREAK = re.compile(r"[\r\n\x0b\x0c\x85\u2028\u2029]")
+
+
+def _wordwrap(env: jinja2.Environment, value: str, width: int, wrapstring: str = "\n", **kw: Any) -> str:
+    """Jinja's wordwrap for prose in comments: the breaks are the template's (``wrapstring``),
+    never the value's own."""
+    from jinja2.filters import do_wordwrap
+
+    return Placed(do_wordwrap(env, " ".join(_LINE_BREAK.split(str(value))), width, wrapstring=wrapstring, **kw))
+
+
+def _shell_word(value: Any) -> str:
+    """``value`` inside a double-quoted shell word (``"${X:-{{ v | shword }}}"``), where quotes
+    of its own would be literal: only text that needs no quoting is let through."""
+    text = str(value)
+    if not text or shlex.quote(text) != text:
+        raise ConfigError("cloud", f"a profile value printed in a shell script must be letters, digits and "
+                                   f"@%+=:,./-_, got '{text}'")  # fmt: skip
+    return text
+
+
+def _finalize(value: Any) -> Any:
+    """Every ``{{ }}`` of every template: a value printed as it is may not break a line (in a
+    YAML comment or plain scalar, a shell script or a Dockerfile the next line would be its
+    own key or command). Values meant to span lines go through a filter that places them."""
+    if isinstance(value, str) and not isinstance(value, (Placed, Markup)) and _LINE_BREAK.search(value):
+        from torchrec_cloud.untrusted import shown
+
+        raise ConfigError("cloud", f"a profile value holds a line break where a template prints it as it is: "
+                                   f"'{shown(value, 60)}'")  # fmt: skip
+    return value
+
+
 @lru_cache(maxsize=1)
 def environment() -> jinja2.Environment:
     env = jinja2.Environment(
@@ -94,12 +150,19 @@ def environment() -> jinja2.Environment:
         keep_trailing_newline=True,
         trim_blocks=False,
         autoescape=False,
+        finalize=_finalize,
     )
-    env.filters["nindent"] = _nindent
-    env.filters["yaml_block"] = _yaml_block
-    env.filters["toyaml"] = _dump
-    env.filters["shquote"] = shlex.quote
-    env.filters["json"] = lambda value: json.dumps(value, separators=(",", ":"))
+    env.filters["nindent"] = _placed(_nindent)
+    env.filters["yaml_block"] = _placed(_yaml_block)
+    env.filters["toyaml"] = _placed(_dump)
+    # Every text value of a YAML template: `key: {{ value | q }}`.
+    env.filters["q"] = _placed(_quoted)
+    env.filters["shquote"] = _placed(shlex.quote)
+    env.filters["shword"] = _placed(_shell_word)
+    env.filters["json"] = _placed(lambda value: json.dumps(value, separators=(",", ":")))
+    env.filters["wordwrap"] = jinja2.pass_environment(_wordwrap)
+    # Text a template wrote itself, passed on (a macro's `caller()` body): no value of ours in it.
+    env.filters["template_text"] = _placed(str)
     env.filters["taint"] = lambda t: f"{t['key']}={t.get('value', '')}:{t['effect']}"
     return env
 
@@ -156,7 +219,8 @@ def build_context(spec: DeploySpec, profile: Optional[Profile] = None) -> dict[s
         "pod_annotations": {**monitoring.pod_annotations, **profile.pod_annotations,
                             **({PLAN_ANNOTATION: plan["summary"]} if plan else {})},
         "env": [{"name": k, "value": str(v)} for k, v in env.items()],
-        "resources": _resources(spec, profile, instance),
+        "resources": _resources(spec, profile, instance, workload["rdma"]),
+        "network_policy": _network_policy(spec, profile, monitoring, metrics_port, workload["selector"], labels),
         "backoff_limit": spec.backoff_limit if spec.backoff_limit is not None else profile.backoff_limit,
         "max_restarts": profile.max_restarts,
         "rendezvous_port": profile.rendezvous_port,
@@ -202,6 +266,7 @@ def _workload_context(spec: DeploySpec, profile: Profile, instance, grace: int, 
     workload_annotations = {MIN_KUBERNETES_ANNOTATION: versions["kubernetes"]}
     if versions["operators"]:
         workload_annotations[MIN_OPERATORS_ANNOTATION] = versions["operators"]
+    rdma = _rdma(spec, profile, instance)
     return {
         "spec": spec,
         "profile": profile,
@@ -218,7 +283,10 @@ def _workload_context(spec: DeploySpec, profile: Profile, instance, grace: int, 
         "service_account_annotations": sa_annotations,
         "identity_note": identity_note,
         "pod_spec": _pod_spec(spec, profile, instance, selector, grace, one_per_node),
-        "container_security": _container_security(profile),
+        "rdma": rdma,
+        "container_security": _container_security(profile, rdma),
+        "pod_security_labels": _pod_security_labels(profile, rdma),
+        "namespace_labels": {**common_labels, **_pod_security_labels(profile, rdma)},
         "volumes": volumes,
         "volume_mounts": volume_mounts,
         "storage": storage,
@@ -236,8 +304,12 @@ def preprocess_context(spec: DeploySpec, profile: Profile) -> dict[str, Any]:
     # Shares are independent: several may share a node.
     ctx = _workload_context(spec, profile, None, grace, one_per_node=False)
     settings = profile.preprocess
-    resources = {k: dict(settings[k]) for k in ("requests", "limits") if settings.get(k)}
-    args = spec.preprocess_args(workers=_cpus(settings.get("requests", {}).get("cpu", "1")))
+    shm = spec.shm_size or settings.get("shm_size") or profile.shm_size
+    for volume in ctx["volumes"]:
+        if volume["name"] == "dshm":
+            volume["emptyDir"]["sizeLimit"] = shm
+    resources = _preprocess_resources(profile, shm)
+    args = spec.preprocess_args(workers=_cpus(resources["requests"]["cpu"]))
     identity = profile.identity or {}
     ctx.update({
         "pod_labels": {**ctx["labels"], **identity.get("pod_labels", {}), **profile.pod_labels},
@@ -249,9 +321,29 @@ def preprocess_context(spec: DeploySpec, profile: Profile) -> dict[str, Any]:
         "preprocess_args": args,
         "exit_config": EXIT_CONFIG,
         "monitoring": None,
+        # Nothing connects to a preprocessing pod: no ingress at all.
+        "network_policy": _network_policy(spec, profile, None, 0, ctx["selector"], ctx["labels"], peers=False),
     })  # fmt: skip
     ctx["container_spec"] = _container_spec(ctx, ports=[])
     return ctx
+
+
+def _preprocess_resources(profile: Profile, shm: str) -> dict[str, Any]:
+    """The profile's ``preprocess`` requests, limits defaulting to them, and /dev/shm added to
+    the memory limit (it counts against it, as in :func:`_resources`)."""
+    where = f"profile {profile.name!r}, preprocess"
+    settings = profile.preprocess
+    requests = {"cpu": _millicores(settings["requests"]["cpu"], where),
+                "memory": _bytes(settings["requests"]["memory"], "cloud", where)}
+    limits = dict(requests)
+    given = settings.get("limits") or {}
+    if "cpu" in given:
+        limits["cpu"] = _millicores(given["cpu"], where)
+    if "memory" in given:
+        limits["memory"] = _bytes(given["memory"], "cloud", where)
+    limits["memory"] += _bytes(shm, "shm_size", "/dev/shm size")
+    return {"requests": {"cpu": _cpu_text(requests["cpu"]), "memory": _memory_text(requests["memory"])},
+            "limits": {"cpu": _cpu_text(limits["cpu"]), "memory": _memory_text(limits["memory"])}}
 
 
 def _cpus(quantity: Any) -> int:
@@ -292,10 +384,22 @@ def _pod_spec(spec: DeploySpec, profile: Profile, instance, selector: dict, grac
     if spec.spot:
         node_selector.update(profile.spot.get("node_selector", {}))
         tolerations += profile.spot.get("tolerations", [])
+    from torchrec_cloud.deploy.layout import images
+
+    uid = int(images()["user_id"])  # the image's own user (Dockerfile.j2's USER)
     pod_spec: dict[str, Any] = {
         "serviceAccountName": SERVICE_ACCOUNT,
+        # Nothing in the pod calls the Kubernetes API (the launchers meet in their own c10d
+        # store). The clouds' workload identity needs no API token either: EKS's IRSA webhook
+        # (amazon-eks-pod-identity-webhook) and Azure's (azure-workload-identity
+        # pkg/webhook/webhook.go addProjectedVolume) each add a projected token volume of
+        # their own audience, which the restricted standard admits; GKE's comes from the
+        # node's metadata server.
+        "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": grace,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000},
+        # The restricted Pod Security Standard (docs/security.md), for the pod's every container.
+        "securityContext": {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid, "fsGroup": uid,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
     }
     if node_selector:
         pod_spec["nodeSelector"] = node_selector
@@ -330,34 +434,131 @@ def _volumes(spec: DeploySpec, profile: Profile) -> tuple[list, list, Optional[d
     return volumes, mounts, storage, output_root
 
 
-def _resources(spec: DeploySpec, profile: Profile, instance) -> dict[str, Any]:
-    limits: dict[str, Any] = {}
-    requests: dict[str, Any] = {}
+def _rdma(spec: DeploySpec, profile: Profile, instance) -> bool:
+    """Whether the pods ask for the instance's RDMA device resource (``--rdma``)."""
+    if instance is None or not spec.gpus_per_node or not instance.rdma_resources:
+        return False
+    return profile.request_rdma if spec.rdma is None else bool(spec.rdma)
+
+
+_CPU = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m?)$")
+def _millicores(value: Any, where: str) -> int:
+    m = _CPU.match(str(value))
+    if not m:
+        raise ProfileError(f"{where}: cpu must be a Kubernetes quantity like 4 or 500m, got {value!r}")
+    return round(float(m.group(1)) * (1 if m.group(2) else 1000))
+
+
+def _bytes(value: Any, flag: str, where: str) -> int:
+    n = memory_bytes(value)
+    if n is None:
+        raise ConfigError(flag, f"{where}: must be a Kubernetes quantity like 16Gi, got {value!r}")
+    return n
+
+
+def _cpu_text(millis: int) -> str:
+    return str(millis // 1000) if millis % 1000 == 0 else f"{millis}m"
+
+
+def _memory_text(n: int) -> str:
+    for unit in ("Ti", "Gi", "Mi", "Ki"):
+        if n % MEMORY_UNITS[unit] == 0:
+            return f"{n // MEMORY_UNITS[unit]}{unit}"
+    return str(n)
+
+
+def _resources(spec: DeploySpec, profile: Profile, instance, rdma: bool) -> dict[str, Any]:
+    """cpu and memory requested and capped on every pod, the devices it drives.
+
+    A pod on GPUs of a profile's instance takes the instance's requests and limits, in
+    proportion to the GPUs it asks for (all of them: most of the node, so nothing else lands
+    beside the trainer). Any other pod (CPU nodes, a cluster without instance types) takes
+    the profile's ``process_resources`` per trainer process, with /dev/shm's size added to
+    its memory limit. Limits default to the requests, and the memory limit holds /dev/shm: a
+    memory-backed emptyDir's files count against the container's memory limit (Kubernetes
+    docs, "Volumes: emptyDir"; the API's EmptyDirVolumeSource.sizeLimit: a memory medium's use
+    is the lesser of sizeLimit and the pod's memory limits). A leak is then an OOM kill of the
+    container (counted), never a node-pressure eviction that restarts the job uncounted.
+    """
+    shm = _bytes(spec.shm_size or profile.shm_size, "shm_size", "/dev/shm size")
+    where = f"profile {profile.name!r}"
+    if instance is not None and spec.gpus_per_node and {"cpu", "memory"} <= set(instance.requests):
+        share = spec.gpus_per_node / instance.gpus if instance.gpus else 1.0
+        where += f", {instance.name}"
+        requests = {"cpu": _millicores(instance.requests["cpu"], where) * share,
+                    "memory": _bytes(instance.requests["memory"], "instance_type", where) * share}
+        limits = dict(requests)
+        if "cpu" in instance.limits:
+            limits["cpu"] = _millicores(instance.limits["cpu"], where) * share
+        if "memory" in instance.limits:
+            limits["memory"] = _bytes(instance.limits["memory"], "instance_type", where) * share
+    else:
+        per = profile.process_resources
+        requests = {"cpu": _millicores(per["cpu"], where) * spec.procs,
+                    "memory": _bytes(per["memory"], "cloud", where) * spec.procs}
+        limits = {**requests, "memory": requests["memory"] + shm}
+    if shm >= limits["memory"]:
+        limit = _memory_text(int(limits["memory"]))
+        raise ConfigError("shm_size", f"{_memory_text(shm)} of /dev/shm leaves nothing of the pod's {limit} "
+                                      "memory limit (it counts against it)")  # fmt: skip
+    resources: dict[str, Any] = {
+        "requests": {"cpu": _cpu_text(int(requests["cpu"])), "memory": _memory_text(int(requests["memory"]))},
+        "limits": {"cpu": _cpu_text(int(limits["cpu"])), "memory": _memory_text(int(limits["memory"]))},
+    }
     if spec.gpus_per_node:
-        limits[profile.gpu_resource] = spec.gpus_per_node
+        resources["limits"][profile.gpu_resource] = spec.gpus_per_node
         if instance is not None:
-            limits.update(instance.extra_resources)
-            rdma = profile.request_rdma if spec.rdma is None else spec.rdma
+            resources["limits"].update(instance.extra_resources)
             if rdma:
-                limits.update(instance.rdma_resources)
-    if instance is not None and spec.gpus_per_node == instance.gpus:
-        # Whole machines: ask for most of the node so nothing else lands beside the trainer,
-        # and cap its memory there (a leak is then an OOM kill, not a node-pressure eviction).
-        requests.update(instance.requests)
-        limits.update(instance.limits)
-    resources: dict[str, Any] = {}
-    if requests:
-        resources["requests"] = requests
-    if limits:
-        resources["limits"] = limits
+                resources["limits"].update(instance.rdma_resources)
     return resources
 
 
-def _container_security(profile: Profile) -> dict[str, Any]:
-    security: dict[str, Any] = {"allowPrivilegeEscalation": False}
-    if profile.container_capabilities:
-        security["capabilities"] = {"add": list(profile.container_capabilities)}
-    return security
+def _container_security(profile: Profile, rdma: bool) -> dict[str, Any]:
+    """The restricted Pod Security Standard's container rules: no privilege escalation, every
+    capability dropped; a profile adds back only what its devices need (RDMA: IPC_LOCK,
+    which takes the pod out of the restricted profile: docs/security.md)."""
+    add = [*profile.container_capabilities, *(profile.rdma_capabilities if rdma else [])]
+    capabilities: dict[str, Any] = {"drop": ["ALL"]}
+    if add:
+        capabilities["add"] = add
+    return {"allowPrivilegeEscalation": False, "capabilities": capabilities}
+
+
+# What the restricted Pod Security Standard lets a container add back (pod-security-admission
+# policy/check_capabilities_restricted.go).
+RESTRICTED_CAPABILITIES = {"NET_BIND_SERVICE"}
+
+
+def _pod_security_labels(profile: Profile, rdma: bool) -> dict[str, str]:
+    """The Namespace's Pod Security Admission labels: the API server enforces the restricted
+    standard on every pod of the job's namespace, unless a capability the profile adds is
+    outside it (then it warns and audits only)."""
+    restricted = set(profile.container_capabilities) | (set(profile.rdma_capabilities) if rdma else set())
+    labels = {"pod-security.kubernetes.io/warn": "restricted", "pod-security.kubernetes.io/audit": "restricted"}
+    if restricted <= RESTRICTED_CAPABILITIES:
+        labels["pod-security.kubernetes.io/enforce"] = "restricted"
+    return labels
+
+
+def _network_policy(spec: DeploySpec, profile: Profile, monitoring, metrics_port: int, selector: dict,
+                    labels: dict, peers: bool = True) -> dict[str, Any]:  # fmt: skip
+    """Ingress to the job's pods: from its own pods on any port (the c10d store on the
+    rendezvous port, and gloo/NCCL, whose data connections use ephemeral ports), and from the
+    cloud's metrics collector (monitoring_profiles.yaml.j2 ``scraped_from``) on the ranks'
+    metrics ports; nothing else. Egress is left open (buckets, registries, DNS)."""
+    ingress: list[dict[str, Any]] = [{"from": [{"podSelector": {"matchLabels": dict(selector)}}]}] if peers else []
+    if monitoring is not None and monitoring.scraped_from:
+        port: dict[str, Any] = {"protocol": "TCP", "port": metrics_port}
+        if spec.procs > 1:
+            port["endPort"] = metrics_port + spec.procs - 1
+        ingress.append({"from": list(monitoring.scraped_from), "ports": [port]})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": spec.name, "namespace": spec.namespace, "labels": dict(labels)},
+        "spec": {"podSelector": {"matchLabels": dict(selector)}, "policyTypes": ["Ingress"], "ingress": ingress},
+    }
 
 
 def _ports(spec: DeploySpec, profile: Profile, monitoring) -> list[dict[str, Any]]:
@@ -370,8 +571,7 @@ def _ports(spec: DeploySpec, profile: Profile, monitoring) -> list[dict[str, Any
 
 def _container_spec(ctx: dict[str, Any], ports: list[dict[str, Any]]) -> dict[str, Any]:
     container: dict[str, Any] = {"ports": ports} if ports else {}
-    if ctx["resources"]:
-        container["resources"] = ctx["resources"]
+    container["resources"] = ctx["resources"]
     container["securityContext"] = ctx["container_security"]
     container["volumeMounts"] = ctx["volume_mounts"]
     return container

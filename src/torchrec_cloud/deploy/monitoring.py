@@ -13,7 +13,7 @@ names the entry::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,9 @@ class MonitoringProfile:
     manifests: list[dict[str, Any]]
     note: str = ""
     setup: str = ""
+    scraped_from: list[dict[str, Any]] = field(default_factory=list)
+    """NetworkPolicy peers (namespaceSelector/podSelector) of the collector's scraping pods:
+    the job's NetworkPolicy admits them, and only them, to the metrics ports."""
 
 
 def _duration_seconds(text: str) -> int:
@@ -124,4 +127,5 @@ def monitoring_profile(
         manifests=manifests,
         note=note,
         setup=str(entry.get("setup", "")),
+        scraped_from=list(entry.get("scraped_from") or []),
     )

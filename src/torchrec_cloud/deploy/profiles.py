@@ -108,6 +108,9 @@ class Profile:
     extended_resource_toleration: bool = False
     managed_training: Optional[dict[str, Any]] = None
     preprocess: dict[str, Any] = field(default_factory=dict)
+    process_resources: dict[str, Any] = field(default_factory=dict)
+    rdma_capabilities: list[str] = field(default_factory=list)
+    network_policy: dict[str, Any] = field(default_factory=dict)
 
     def instance(self, name: Optional[str] = None) -> Optional[Instance]:
         """The named instance type (default: the profile's), or None for a generic cluster."""

@@ -35,6 +35,62 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _MAX_NAME = 52
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 
+# An image reference as the container runtimes parse it: the grammar of
+# github.com/distribution/reference regexp.go, as vendored in kubernetes/kubernetes
+# (vendor/github.com/distribution/reference/regexp.go at fde22c3f: ReferenceRegexp =
+# name [":" tag] ["@" digest]). Python's re has no [[:xdigit:]].
+_ALNUM = r"[a-z0-9]+"
+_SEPARATOR = r"(?:[._]|__|[-]+)"
+_PATH_COMPONENT = _ALNUM + rf"(?:{_SEPARATOR}{_ALNUM})*"
+_DOMAIN_COMPONENT = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
+_HOST = rf"(?:{_DOMAIN_COMPONENT}(?:\.{_DOMAIN_COMPONENT})*|\[(?:[a-fA-F0-9:]+)\])"
+_NAME = rf"(?:{_HOST}(?::[0-9]+)?/)?{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*"
+_TAG = r"[\w][\w.-]{0,127}"
+_DIGEST = r"[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}"
+IMAGE_REFERENCE = re.compile(rf"(?P<name>{_NAME})(?::{_TAG})?(?:@{_DIGEST})?", re.ASCII)
+# distribution/reference's NameTotalLengthMax.
+_MAX_IMAGE_NAME = 255
+# Free text that reaches a manifest (a URL, an identity, a training flag): one printable line.
+# The templates quote every value as well (manifests.py); this refuses what no URL or flag
+# holds, with the flag named, before anything is written.
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_MAX_TEXT = 4096
+# A memory size as a Kubernetes quantity (apimachinery resource.Quantity): a number and a suffix.
+_MEMORY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
+MEMORY_UNITS = {None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
+                "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
+
+
+def memory_bytes(value: object) -> Optional[int]:
+    """``16Gi`` -> bytes; None for text that is not a memory quantity."""
+    m = _MEMORY.match(str(value))
+    return round(float(m.group(1)) * MEMORY_UNITS[m.group(2)]) if m else None
+
+
+def check_image(value: str) -> None:
+    """``value`` is an image reference a container runtime would pull (ConfigError naming
+    --image otherwise)."""
+    match = IMAGE_REFERENCE.fullmatch(value)
+    if not match or len(match.group("name")) > _MAX_IMAGE_NAME:
+        raise ConfigError(
+            "image",
+            f"{_shown(value)} is not an image reference: [REGISTRY[:PORT]/]NAME[:TAG][@sha256:DIGEST], "
+            "NAME in lower case (e.g. 111122223333.dkr.ecr.us-west-2.amazonaws.com/torchrec-cloud:0.1.0)",
+        )
+
+
+def check_text(flag: str, value: str) -> None:
+    """A free-text value (URL, identity, training flag) is one printable line of bounded length."""
+    if _UNPRINTABLE.search(value) or len(value) > _MAX_TEXT:
+        raise ConfigError(flag, f"must be one line of printable characters (at most {_MAX_TEXT}), "
+                                f"got {_shown(value)}")
+
+
+def _shown(value: str, limit: int = 60) -> str:
+    from torchrec_cloud.untrusted import shown
+
+    return f"'{shown(value, limit)}'"
+
 
 class TrainFlagsError(ConfigError):
     """A training flag (after ``--``) that the trainer would reject."""
@@ -209,6 +265,15 @@ class DeploySpec:
             raise ConfigError("preset", "give the preset before '--' (--preset NAME), not among the training flags")
         if not self.image.strip():
             raise ConfigError("image", "must not be empty")
+        check_image(self.image)
+        for flag in ("data_url", "checkpoint_url", "identity"):
+            if getattr(self, flag) is not None:
+                check_text(flag, getattr(self, flag))
+        for arg in self.train_args:
+            if _UNPRINTABLE.search(arg) or len(arg) > _MAX_TEXT:
+                raise TrainFlagsError(f"{_shown(arg)} is not one line of printable characters")
+        if self.shm_size is not None and memory_bytes(self.shm_size) is None:
+            raise ConfigError("shm_size", f"must be a size such as 8Gi or 512Mi, got {_shown(self.shm_size)}")
         if self.grace_period_s is not None and self.grace_period_s < 60:
             raise ConfigError(
                 "grace_period_s",

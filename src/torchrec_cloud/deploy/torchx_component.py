@@ -98,9 +98,11 @@ def build_app(spec: DeploySpec, mounts: Optional[list[str]] = None) -> Any:
     limits = dict(ctx["resources"].get("limits", {}))
     limits.pop(ctx["profile"].gpu_resource, None)
     limits.pop("memory", None)  # the request's, in memMB below
+    limits.pop("cpu", None)  # the request's, in whole cores below
+    cpu = str(requests.get("cpu", "1"))
     pod = ctx["pod_spec"]
     resource = specs.Resource(
-        cpu=int(requests.get("cpu", 1)),
+        cpu=max(1, int(cpu[:-1]) // 1000) if cpu.endswith("m") else int(cpu),
         gpu=spec.gpus_per_node,
         memMB=_mem_mb(requests["memory"]) if "memory" in requests else 4096,
         capabilities=dict(pod.get("nodeSelector", {})),
