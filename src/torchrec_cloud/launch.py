@@ -62,6 +62,7 @@ PEER_TIMEOUT_ENV = "TORCHREC_CLOUD_PEER_TIMEOUT_S"
 _OUTCOME = "exit-code"  # the code a worker asked for, and why
 _RUN = "run.json"  # written by the trainer when it starts: where its checkpoints go
 _FINISHED = "finished"  # written by the trainer when the run finished
+_HEARD = "peers-heard"  # written by the launcher: since when (time.monotonic()) every peer pod has beaten
 LOST_PEER = "lost peer"  # how a pod ended for a lost peer starts its reason
 # AWS Batch sets AWS_BATCH_JOB_NODE_INDEX on every node of a multi-node parallel job.
 _NODE_RANK_ENVS = ("TORCHREC_CLOUD_NODE_RANK", "JOB_COMPLETION_INDEX", "PET_NODE_RANK", "NODE_RANK",
@@ -110,8 +111,19 @@ def pod_ending() -> Optional[tuple[int, str]]:
     return _requested(folder) if folder else None
 
 
-def _write(name: str, text: str) -> None:
+def peers_heard_since() -> Optional[float]:
+    """Since when (``time.monotonic()``, one clock for every process of the host) this pod's
+    launcher has heard a heartbeat from every peer pod; None when it has not (yet)."""
     folder = _folder()
+    try:
+        with open(os.path.join(folder, _HEARD)) as f:
+            return float(f.read())
+    except (TypeError, OSError, ValueError):
+        return None
+
+
+def _write(name: str, text: str, folder: Optional[str] = None) -> None:
+    folder = folder or _folder()
     if not folder:
         return
     tmp = os.path.join(folder, f".{name}.{os.getpid()}")
@@ -177,7 +189,8 @@ class _Pod:
             from torchrec_cloud.peerwatch import PeerWatch, describe_pod
 
             self.watch = PeerWatch(args.rdzv_endpoint, nodes, args.peer_timeout_s, describe_pod(_node_rank()),
-                                   on_lost=self.end_for_lost_peer)  # fmt: skip
+                                   on_lost=self.end_for_lost_peer,
+                                   on_heard=lambda since: _write(_HEARD, repr(since), self.folder))  # fmt: skip
 
     def finished(self) -> bool:
         return os.path.exists(os.path.join(self.folder, _FINISHED))

@@ -55,13 +55,14 @@ class PeerWatch:
     for keys, not a request nobody answers), one judges from what the first last heard."""
 
     def __init__(self, endpoint: str, nodes: int, timeout_s: float, describe: str,
-                 on_lost: Callable[[str], None]) -> None:  # fmt: skip
+                 on_lost: Callable[[str], None], on_heard: Optional[Callable[[float], None]] = None) -> None:  # fmt: skip
         host, _, port = endpoint.rpartition(":")
         self.host, self.port = host.strip("[]"), int(port)
         self.endpoint = endpoint
         self.nodes = nodes
         self.timeout_s = timeout_s
         self.on_lost = on_lost
+        self.on_heard = on_heard
         self.id = uuid.uuid4().hex[:12]
         self.describe = describe
         self.key = PREFIX + self.id
@@ -141,6 +142,21 @@ class PeerWatch:
             if reason and not self._stop.is_set():
                 self.on_lost(reason)
                 return
+            heard = self.heard_from_all()
+            if heard is not None and self.on_heard is not None:
+                self.on_heard(heard)
+
+    def heard_from_all(self) -> Optional[float]:
+        """The latest ``time.monotonic()`` since which every peer of the formed group has
+        beaten (a beat seen after it from each), or None before the group formed. A worker
+        whose collective failed at T waits until this passes T (every peer's pod is alive:
+        the failure is the job's own) or a verdict of a lost peer: no clock decides it."""
+        with self._lock:
+            if len(self._peers) < self.nodes:
+                return None
+            times = [since for peer, (value, since) in self._seen.items()
+                     if peer != self.id and value != LEFT_FINISHED]  # fmt: skip
+            return min(times) if times else None
 
     def _verdict(self, now: float) -> Optional[str]:
         with self._lock:

@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any, Optional
 
-from torchrec_cloud.launch import EXIT_PREEMPTED, LOST_PEER, PEER_TIMEOUT_ENV, pod_ending
+from torchrec_cloud.launch import EXIT_PREEMPTED, LOST_PEER, PEER_TIMEOUT_ENV, peers_heard_since, pod_ending
 
 # A save on SIGTERM must finish this much sooner than the grace: the estimate is one past
 # save's time, and after the save the ranks still meet once and the processes exit.
@@ -171,6 +171,8 @@ def _obey_launcher() -> None:
         os._exit(ending[0])
 
 
+# The longest a failed collective's rank waits for its launcher's verdict (wait_for_lost_peer).
+WAIT_CAP_S = 300.0
 _COLLECTIVE_ERROR = re.compile(r"gloo|nccl|connection (closed|reset|refused)|broken pipe|timed out", re.IGNORECASE)
 
 
@@ -184,21 +186,29 @@ def is_collective_error(error: BaseException) -> bool:
 def wait_for_lost_peer(error: BaseException) -> None:
     """A collective failed on this rank. Under ``torchrec-cloud launch`` with peer pods, the
     failure may be a peer pod's loss, which the launcher detects from its heartbeats within
-    about ``--peer_timeout_s``: wait for its verdict (at most twice that) before the error
-    ends this worker, which torchrun would restart in place, using up ``--max_restarts``.
-    Returns when no verdict came (the error is this job's own: raise it)."""
+    about ``--peer_timeout_s``: wait for its verdict before the error ends this worker, which
+    torchrun would restart in place, using up ``--max_restarts``. Returns (the error is this
+    job's own: raise it) once the launcher has heard every peer pod beat after the failure:
+    what ends the wait is what the launcher heard, not how long it took a loaded machine to
+    hear it. ``WAIT_CAP_S`` only stops a hang of the launcher itself."""
     timeout = float(os.environ.get(PEER_TIMEOUT_ENV) or 0)
     if not _under_launcher() or timeout <= 0 or int(os.environ.get("GROUP_WORLD_SIZE", "1")) <= 1:
         return
     if not is_collective_error(error):
         return
+    failed_at = time.monotonic()
     text = " ".join(str(error).split())[:200]
-    print(f"rank {_rank()}: a collective failed ({text}); waiting up to {2 * timeout:g} s for the launcher to "
-          "check whether a peer pod is lost", file=sys.stderr, flush=True)  # fmt: skip
+    print(f"rank {_rank()}: a collective failed ({text}); waiting for the launcher to check whether a peer pod "
+          "is lost", file=sys.stderr, flush=True)  # fmt: skip
     signal.signal(signal.SIGTERM, lambda signum, frame: _obey_launcher() or os._exit(EXIT_PREEMPTED))
-    deadline = time.monotonic() + 2 * timeout
+    deadline = failed_at + max(WAIT_CAP_S, 10 * timeout)
     while time.monotonic() < deadline:
         _obey_launcher()
+        heard = peers_heard_since()
+        if heard is not None and heard > failed_at:
+            print(f"rank {_rank()}: every peer pod is alive: the failure is this job's own", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            break
         time.sleep(0.2)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
