@@ -44,7 +44,14 @@ def test_live_peers_are_heard_and_a_silent_one_is_lost(store):
     _until(lambda: heard_a and heard_a[-1] > start and heard_b and heard_b[-1] > start)
     assert lost_a == [] and lost_b == []
     b.stop()  # b's pod is gone: no beat, no goodbye
-    _until(lambda: lost_a)
+    for thread in b.threads:
+        thread.join()  # its last beat, if one was under way, is done
+    gone = time.monotonic()
+    # Until the verdict, a never hears b after it went (a change a read sees just after may
+    # come from b's last beat before it).
+    heard_since = []
+    _until(lambda: heard_since.append(a.heard_from_all()) or lost_a)
+    assert all(h is None or h < gone for h in heard_since), (gone, heard_since)
     assert lost_a == ["the pod of node rank 1 has sent no heartbeat for 1 s"]
     a.stop()
 

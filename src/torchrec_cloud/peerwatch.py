@@ -73,6 +73,10 @@ class PeerWatch:
         self._last_answer: Optional[float] = None  # when the store last answered; None until it first did
         self._peers: dict[str, str] = {}  # every launcher registered: id -> description
         self._seen: dict[str, tuple[bytes, float]] = {}  # peer -> (its counter, when it last changed)
+        # peer -> a time its latest beat came after: the read before the one that saw it change
+        # (a change is seen up to one interval after the beat that made it).
+        self._beat_after: dict[str, float] = {}
+        self._last_read: Optional[float] = None
         self._replaced = False  # the store answering now is not the one the pods met in
 
     @property
@@ -81,8 +85,10 @@ class PeerWatch:
         return self._last_answer is not None
 
     def start(self) -> None:
-        threading.Thread(target=self._beat, name="torchrec-cloud-peer-beat", daemon=True).start()
-        threading.Thread(target=self._judge, name="torchrec-cloud-peer-watch", daemon=True).start()
+        self.threads = [threading.Thread(target=self._beat, name="torchrec-cloud-peer-beat", daemon=True),
+                        threading.Thread(target=self._judge, name="torchrec-cloud-peer-watch", daemon=True)]
+        for thread in self.threads:
+            thread.start()
 
     def stop(self, finished: bool = False) -> None:
         """Stop watching; after a finished run, tell the peers this pod left on purpose (if
@@ -119,6 +125,7 @@ class PeerWatch:
                 if self._store is None:
                     self._store = self._connect()
                 store = self._store
+                started = time.monotonic()  # the values read below are from after this
                 store.add(self.key, 1)
                 peers = _registry(store.get(REGISTRY))
                 values = store.multi_get([PREFIX + p for p in peers])
@@ -134,6 +141,9 @@ class PeerWatch:
                     before = self._seen.get(peer)
                     if before is None or before[0] != value:
                         self._seen[peer] = (value, now)
+                        if before is not None and self._last_read is not None:
+                            self._beat_after[peer] = self._last_read
+                self._last_read = started
             self._stop.wait(self.interval_s)
 
     def _judge(self) -> None:
@@ -147,16 +157,19 @@ class PeerWatch:
                 self.on_heard(heard)
 
     def heard_from_all(self) -> Optional[float]:
-        """The latest ``time.monotonic()`` since which every peer of the formed group has
-        beaten (a beat seen after it from each), or None before the group formed. A worker
-        whose collective failed at T waits until this passes T (every peer's pod is alive:
-        the failure is the job's own) or a verdict of a lost peer: no clock decides it."""
+        """A ``time.monotonic()`` after which every peer of the formed group has beaten (its
+        counter changed between a read at or after that time and the next), or None before
+        each has been seen to beat. A worker whose collective failed at T waits until this
+        passes T (every peer's pod is alive: the failure is the job's own) or a verdict of a
+        lost peer: no clock decides it. A change seen after T may come from a beat before T
+        (a pod killed just after beating), so the time is that of the read before it."""
         with self._lock:
             if len(self._peers) < self.nodes:
                 return None
-            times = [since for peer, (value, since) in self._seen.items()
-                     if peer != self.id and value != LEFT_FINISHED]  # fmt: skip
-            return min(times) if times else None
+            live = [peer for peer, (value, _) in self._seen.items() if peer != self.id and value != LEFT_FINISHED]
+            if not live or any(peer not in self._beat_after for peer in live):
+                return None
+            return min(self._beat_after[peer] for peer in live)
 
     def _verdict(self, now: float) -> Optional[str]:
         with self._lock:
