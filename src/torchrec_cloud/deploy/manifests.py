@@ -309,7 +309,9 @@ def preprocess_context(spec: DeploySpec, profile: Profile) -> dict[str, Any]:
         if volume["name"] == "dshm":
             volume["emptyDir"]["sizeLimit"] = shm
     resources = _preprocess_resources(profile, shm)
-    args = spec.preprocess_args(workers=_cpus(resources["requests"]["cpu"]))
+    # --workers: the whole CPUs of the request, at least 1.
+    cpus = _millicores(settings["requests"]["cpu"], f"profile {profile.name!r}, preprocess") // 1000
+    args = spec.preprocess_args(workers=max(cpus, 1))
     identity = profile.identity or {}
     ctx.update({
         "pod_labels": {**ctx["labels"], **identity.get("pod_labels", {}), **profile.pod_labels},
@@ -344,13 +346,6 @@ def _preprocess_resources(profile: Profile, shm: str) -> dict[str, Any]:
     limits["memory"] += _bytes(shm, "shm_size", "/dev/shm size")
     return {"requests": {"cpu": _cpu_text(requests["cpu"]), "memory": _memory_text(requests["memory"])},
             "limits": {"cpu": _cpu_text(limits["cpu"]), "memory": _memory_text(limits["memory"])}}
-
-
-def _cpus(quantity: Any) -> int:
-    """Whole CPUs of a Kubernetes CPU quantity ("8", "7500m"), at least 1."""
-    text = str(quantity)
-    value = float(text[:-1]) / 1000 if text.endswith("m") else float(text)
-    return max(int(value), 1)
 
 
 def _plan(spec: DeploySpec, profile: Profile, instance, trainer_args: list[str]) -> tuple[Optional[dict], list[str]]:
