@@ -4,11 +4,17 @@ what the launcher heard, never how long a loaded machine took to hear it."""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
 import threading
 import time
 from datetime import timedelta
 
 import pytest
+from checkpoint_runs import LAUNCH, start
+from services import free_port
 from torch.distributed import TCPStore
 
 from torchrec_cloud import launch, preemption
@@ -98,3 +104,59 @@ def test_an_error_that_is_not_a_collectives_is_raised_at_once(tmp_path, monkeypa
     monkeypatch.setenv(launch.PEER_TIMEOUT_ENV, "1")
     monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
     preemption.wait_for_lost_peer(ValueError("a bug of ours"))  # returns: nothing to wait for
+
+
+# Two pods, two workers each. Node 1's first worker kills its own launcher: the pod is gone,
+# with no heartbeat and no goodbye. On node 0 the first worker exits as soon as its launcher
+# ends the pod (as a rank waiting in wait_for_lost_peer does); that launcher then says which
+# checkpoint the next start resumes from, from a bucket that does not answer (it waits 15 s
+# for it). All that while torchrun's agent must not see the worker's exit as the group's
+# failure and restart it.
+_POD_WORKER = """
+import os, signal, sys, time
+from torchrec_cloud import launch
+node, local, launcher = int(os.environ["GROUP_RANK"]), int(os.environ["LOCAL_RANK"]), os.getppid()
+
+def wait(condition):  # until it holds, or this worker's launcher is gone
+    while not condition() and os.getppid() == launcher:
+        time.sleep(0.05)
+
+launch.report_run("s3://checkpoints/run")
+wait(lambda: launch.peers_heard_since() is not None)  # every pod has beaten: the watch is on
+if node == 1 and local == 0:
+    os.kill(launcher, signal.SIGKILL)
+if node == 1 or local == 1:
+    wait(lambda: False)
+    sys.exit(0)
+wait(lambda: launch.pod_ending() is not None)
+sys.exit((launch.pod_ending() or (1,))[0])
+"""
+
+
+def test_a_lost_peer_ends_the_pod_without_a_restart_of_its_workers(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(_POD_WORKER)
+    endpoint = f"127.0.0.1:{free_port()}"
+    silent = socket.create_server(("127.0.0.1", 0))  # connections queue; nothing ever answers
+    bucket = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{silent.getsockname()[1]}", "AWS_ACCESS_KEY_ID": "x",
+              "AWS_SECRET_ACCESS_KEY": "x", "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
+
+    def pod(rank: int) -> subprocess.Popen:
+        cmd = [*LAUNCH, "--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}",
+               "--rdzv_id=lost-peer", "--max_restarts=3", "--monitor_interval=0.1", "--peer_timeout_s=1", str(script)]  # fmt: skip
+        return start(cmd, {"TORCHREC_CLOUD_NODE_RANK": str(rank), "LOGLEVEL": "INFO", **bucket})
+
+    pods = [pod(0), pod(1)]
+    try:
+        log0, _ = pods[0].communicate(timeout=180)
+        assert pods[0].returncode == launch.EXIT_PREEMPTED, log0
+        assert "the pod of node rank 1 " in log0 and "a peer pod is lost; stopping this pod's workers" in log0, log0
+        assert "exit 200: start the pod again; the next start resumes from the newest complete checkpoint under " \
+               "s3://checkpoints/run (the storage did not answer in 15 s)" in log0, log0  # fmt: skip
+        assert "will restart worker group" not in log0, log0  # no --max_restarts spent, no rendezvous with a lost pod
+        assert pods[1].wait(timeout=30) == -signal.SIGKILL
+    finally:
+        silent.close()
+        for p in pods:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)

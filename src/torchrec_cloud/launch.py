@@ -183,6 +183,7 @@ class _Pod:
     def __init__(self, args: argparse.Namespace) -> None:
         self.folder = tempfile.mkdtemp(prefix="torchrec-cloud-launch-")
         self.decided = threading.Lock()
+        self.ending = threading.Event()  # the peer watch is ending the pod: the agent must not act
         self.watch = None
         nodes = _min_nodes(args.nnodes)
         if args.rdzv_backend == "c10d" and args.rdzv_endpoint and nodes > 1 and args.peer_timeout_s > 0:
@@ -203,12 +204,23 @@ class _Pod:
         if self.finished():  # the run is over; the peer left with it
             self.decided.release()
             return
+        # Set before the request the workers obey, so the agent, which sees them exit, has
+        # stopped looking (hold_agent) by the time any does.
+        self.ending.set()
         _request(self.folder, EXIT_PREEMPTED, f"{LOST_PEER}: {reason}")
         _say(f"{reason}: a peer pod is lost; stopping this pod's workers")
         _stop_children(grace_s=5.0)
         _say(f"exit {EXIT_PREEMPTED}: start the pod again; {self.resume_line()}")
         _remove(self.folder)
         os._exit(EXIT_PREEMPTED)
+
+    def hold_agent(self) -> None:
+        """Called by torchrun's agent before and after each look at its workers: once the peer
+        watch is ending the pod, the agent waits here for the exit instead of seeing the
+        workers it stops as failed, restarting them (a restart of --max_restarts spent) and
+        rendezvousing with a pod that is gone."""
+        while self.ending.is_set():
+            time.sleep(3600)
 
     def resume_line(self) -> str:
         """Which checkpoint the next start of this job resumes from, read from the storage
@@ -249,6 +261,26 @@ class _Pod:
             why = f"{why}; exit {EXIT_PREEMPTED}: start the pod again; {self.resume_line()}"
         _say(why)
         return code
+
+
+def _agent_waits_for(pod: _Pod):
+    """Have torchrun's agent (it runs in this process) call ``pod.hold_agent`` around each
+    look at its workers (``_monitor_workers``, read in torch 2.13's
+    distributed/elastic/agent/server/api.py ``_invoke_run``: a failed worker group is
+    restarted, and ``will restart worker group`` logged, right after that look returns).
+    Returns what puts the agent's own method back."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    original = LocalElasticAgent.__dict__["_monitor_workers"]
+
+    def monitor(agent, worker_group):
+        pod.hold_agent()
+        result = original(agent, worker_group)
+        pod.hold_agent()
+        return result
+
+    LocalElasticAgent._monitor_workers = monitor
+    return lambda: setattr(LocalElasticAgent, "_monitor_workers", original)
 
 
 def _min_nodes(nnodes: str) -> int:
@@ -338,10 +370,12 @@ def main(argv: list[str]) -> int:
     os.environ[PEER_TIMEOUT_ENV] = str(args.peer_timeout_s)
     if pod.watch is not None:
         pod.watch.start()
+    restore = _agent_waits_for(pod)
     try:
         try:
             torchrun.run(args)
         finally:
+            restore()
             # The pod's outcome is decided: a SIGTERM now (the controller deleting the pod)
             # must not turn it into a death by signal.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
