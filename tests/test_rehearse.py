@@ -219,3 +219,31 @@ def test_pytorchjob_backoff_limit_as_training_operator_v1_9_applies_it():
             job.close()
         assert (n if job.outcome else None) == failed_after, (limit, job.outcome)
         assert (job.outcome or "").startswith("failed (BackoffLimitExceeded") == (failed_after is not None)
+
+
+def test_a_trainjob_pod_of_the_previous_run_ending_after_a_restart_is_no_failure_of_the_new_one():
+    """Both pods of a TrainJob end together (a reclaimed pod and its peer, exit 200): the
+    JobSet restarts once. The second pod's end, seen after the restart, belongs to a Job of
+    the previous run, which JobSet only deletes (getChildJobs): no second restart."""
+    from torchrec_cloud.deploy.manifests import load_documents, render_bundle
+    from torchrec_cloud.deploy.spec import DeploySpec
+    from torchrec_cloud.rehearse.controllers import JobSet
+    from torchrec_cloud.rehearse.pods import Attempt
+
+    class NoPods:  # both pods have ended: none is live, none needs terminating
+        live: list = []
+
+    bundle = render_bundle(DeploySpec(launcher="trainjob", nodes=2, gpus_per_node=0))
+    docs = {d["kind"]: d for d in load_documents(bundle)}
+    job = JobSet(docs["TrainJob"], docs["TrainingRuntime"], pods=NoPods(), say=lambda line: None, delay_scale=1.0)
+    try:
+        # Pod 1 reclaimed (DisruptionTarget), pod 0 stopped with it: both exit 200.
+        ended = [Attempt(i, 1, None, 0.0, Path("log"), None, b"", disrupted=i == 1, exit_code=EXIT_PREEMPTED)
+                 for i in (0, 1)]  # fmt: skip
+        for index, attempt in enumerate(ended):
+            job.attempts[index].append(attempt)
+        for attempt in ended:  # reaped in one tick, in this order
+            job.on_exit(attempt)
+    finally:
+        job.close()
+    assert (job.outcome, job.restarts, sorted(job.pending)) == (None, 1, [0, 1])

@@ -319,6 +319,9 @@ class JobSet(Controller):
     - jobset_controller.go, deleteJobs: the old Jobs are deleted in the foreground, and the
       new ones, of the same names, can only be created once every old pod is gone (a pod on
       a lost node only when PodGC deletes it).
+    - jobset_controller.go, getChildJobs: Jobs labelled with an earlier restart attempt are
+      only deleted, never counted: a pod of the previous run that ends after the restart
+      (two pods ending together) is no failure of the new run's Job.
     """
 
     def __init__(self, trainjob: dict[str, Any], runtime: dict[str, Any], **kw) -> None:
@@ -338,6 +341,7 @@ class JobSet(Controller):
     def _new_job(self) -> None:
         self.job_rules = JobRules(self.job, self.nodes, "node")
         self.job_failure: Optional[tuple[str, str]] = None  # (reason, message) once the Job fails
+        self.previous_run = {id(a) for attempts in self.attempts.values() for a in attempts}
 
     def pod_env(self, index: int, rendezvous: str):
         host, _, port = rendezvous.rpartition(":")
@@ -351,7 +355,7 @@ class JobSet(Controller):
         return {"labels": {}, "annotations": {"batch.kubernetes.io/job-completion-index": str(index)}}, extra
 
     def on_exit(self, a: Attempt) -> None:
-        if self.outcome is not None:
+        if self.outcome is not None or id(a) in self.previous_run:
             return
         if self.job_failure is None:
             state, why, delay = self.job_rules.pod_ended(a)
