@@ -68,6 +68,9 @@ LOST_PEER = "lost peer"  # how a pod ended for a lost peer starts its reason
 _NODE_RANK_ENVS = ("TORCHREC_CLOUD_NODE_RANK", "JOB_COMPLETION_INDEX", "PET_NODE_RANK", "NODE_RANK",
                    "AWS_BATCH_JOB_NODE_INDEX")
 DEFAULT_PEER_TIMEOUT_S = 30.0
+# The longest the agent waits for the peer watch's verdict before a restart: only a hang of
+# the watch itself (its verdict comes within about --peer_timeout_s) reaches it.
+VERDICT_CAP_S = 300.0
 
 
 # -- worker side ------------------------------------------------------------------------
@@ -222,6 +225,38 @@ class _Pod:
         while self.ending.is_set():
             time.sleep(3600)
 
+    def verdict_before_restart(self, worker_group, result) -> None:
+        """Called by torchrun's agent with the result of each look at its workers. When that
+        result is one the agent restarts the workers for (a failed or unhealthy group, or a
+        healthy one with a new pod waiting in the rendezvous), wait for the peer watch's
+        verdict first: a lost peer ends this pod with 200 (``end_for_lost_peer``, from the
+        watch's thread, while this one waits); every peer pod heard after the result (their
+        pods are alive: the failure is this job's own, or the new pod is an addition) lets
+        the agent go on as torchrun would. However a worker ended (a collective's exception,
+        any exception, an abort from gloo's or NCCL's own threads, a signal), this is where
+        the agent would count it: module ``peerwatch``'s docstring."""
+        if self.watch is None or not self.watch.formed:
+            return  # one pod, or a group the watch never saw form: no verdict can come
+        from torch.distributed.elastic.agent.server.api import WorkerState
+
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            what = f"the worker group {result.state.name}{_failure(result)}"
+        elif result.state == WorkerState.HEALTHY and worker_group.spec.rdzv_handler.num_nodes_waiting() > 0:
+            what = "a new pod waits in the rendezvous"
+        else:
+            return
+        since = time.monotonic()
+        _say(f"{what}: checking that every peer pod is alive before torchrun restarts the workers")
+        deadline = since + max(VERDICT_CAP_S, 10 * self.watch.timeout_s)
+        while time.monotonic() < deadline:
+            self.hold_agent()
+            heard = self.watch.heard_from_all()
+            if heard is not None and heard > since:
+                _say("every peer pod is alive: torchrun restarts the workers (--max_restarts)")
+                return
+            time.sleep(0.05)
+        _say(f"no verdict on the peer pods in {deadline - since:g} s: torchrun restarts the workers")
+
     def resume_line(self) -> str:
         """Which checkpoint the next start of this job resumes from, read from the storage
         the workers reported (they have stopped: nothing is being committed by this pod)."""
@@ -276,11 +311,21 @@ def _agent_waits_for(pod: _Pod):
     def monitor(agent, worker_group):
         pod.hold_agent()
         result = original(agent, worker_group)
+        pod.verdict_before_restart(worker_group, result)
         pod.hold_agent()
         return result
 
     LocalElasticAgent._monitor_workers = monitor
     return lambda: setattr(LocalElasticAgent, "_monitor_workers", original)
+
+
+def _failure(result) -> str:
+    """``: local rank R exited with C`` for the first failure of a failed group's result."""
+    failures = getattr(result, "failures", None) or {}
+    if not failures:
+        return ""
+    rank, failure = min(failures.items())
+    return f" (worker rank {rank}: exit code {failure.exitcode})"
 
 
 def _min_nodes(nnodes: str) -> int:

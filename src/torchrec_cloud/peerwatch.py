@@ -32,6 +32,43 @@ Why heartbeats of the launchers, through this store (docs/deploy.md, "Lost nodes
   launcher): no new port or service, and losing pod 0 shows as the store not answering;
 - torchrun's own rendezvous heartbeats only act at the next rendezvous, which a worker
   blocked in a collective never reaches.
+
+Between a peer's death and the verdict (up to ``timeout_s``), the survivors' workers meet the
+loss in many ways, and torchrun's agent must not act on any of them. What the agent acts on
+(torch 2.13, ``distributed/elastic/agent/server/api.py``, ``SimpleElasticAgent._invoke_run``)
+is the result of each ``_monitor_workers`` call: FAILED or UNHEALTHY restarts the worker group
+at once (``will restart worker group``, one of ``--max_restarts`` spent, then a rendezvous that
+waits for the lost pod); HEALTHY with ``rdzv_handler.num_nodes_waiting() > 0`` (the lost pod's
+replacement has joined) restarts it too. A worker's end reaches that result however it
+happens, and most ends come before any Python code of ours can wait:
+
+- a collective raises when the dead pod's sockets close: the pipeline's input all-to-all,
+  the gradients' all-reduce, evaluation's and the checkpoint's reductions (gloo's
+  ``transport/tcp/pair.cc`` read or write error, raised as ``DistBackendError`` or
+  ``RuntimeError``); the store's client raises ``DistNetworkError`` when pod 0 is the one
+  gone; an error may also reach the top as another type (wrapped by a library, raised by
+  a data thread at the next batch);
+- a process is ended outside Python: gloo's I/O thread or NCCL's watchdog. torchrun starts
+  workers with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` (``local_elastic_agent.py``,
+  ``_start_workers``), TearDown: "tear down process upon error" (torch 2.13
+  ``include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp``, ``ErrorHandlingMode``;
+  ``WorkNCCL::handleException`` in ``ProcessGroupNCCL.cpp`` rethrows on the watchdog's
+  thread, which aborts the process): SIGABRT, no handler runs;
+- the exit path: a worker that handled the error exits non-zero all the same, and the
+  agent's process context (``multiprocessing/api.py``, ``_poll``) stops the pod's other
+  workers as soon as one has failed.
+
+So the decision is held where it is taken, not where the workers end: the launcher wraps the
+agent's ``_monitor_workers`` (:func:`torchrec_cloud.launch._agent_waits_for`), and a result the
+agent would restart the workers for waits for this watch's verdict
+(``launch._Pod.verdict_before_restart``): a lost peer ends the pod with 200 from the watch's
+thread while the agent waits; a beat heard from every peer after the result (every peer pod
+alive: the failure is the job's own, or the new pod is an addition) hands the result back and
+torchrun restarts the workers as it would have. No worker has to stay alive for it, so every
+path above is covered by the same rule; a worker whose collective failed still waits in
+:func:`torchrec_cloud.preemption.wait_for_lost_peer` (its log then says why it stopped), but
+nothing depends on it. Once the pod is being ended, ``hold_agent`` keeps the agent from
+looking at the workers the watch stops.
 """
 
 from __future__ import annotations
@@ -78,6 +115,12 @@ class PeerWatch:
         self._beat_after: dict[str, float] = {}
         self._last_read: Optional[float] = None
         self._replaced = False  # the store answering now is not the one the pods met in
+
+    @property
+    def formed(self) -> bool:
+        """Every launcher of the group has registered: a verdict on each of them can come."""
+        with self._lock:
+            return len(self._peers) >= self.nodes
 
     @property
     def reached(self) -> bool:

@@ -180,7 +180,9 @@ def is_collective_error(error: BaseException) -> bool:
     """Whether ``error`` came from a collective or the store (a peer's failure shows here)."""
     import torch.distributed as dist
 
-    return isinstance(error, dist.DistError) or (type(error) is RuntimeError and bool(_COLLECTIVE_ERROR.search(str(error))))
+    if isinstance(error, (dist.DistError, ConnectionError)):
+        return True
+    return isinstance(error, (RuntimeError, OSError)) and bool(_COLLECTIVE_ERROR.search(str(error)))
 
 
 def wait_for_lost_peer(error: BaseException) -> None:

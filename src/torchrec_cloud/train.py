@@ -482,7 +482,7 @@ def _main(ns: argparse.Namespace) -> int:
         result = run(cfg)
         # A rank that tears down while a peer is still in a collective kills the peer.
         comm.barrier()
-    except RuntimeError as e:
+    except Exception as e:
         wait_for_lost_peer(e)  # a peer pod's loss is the launcher's to report, not a crash
         raise
     finally:
