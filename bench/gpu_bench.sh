@@ -162,7 +162,8 @@ uvm() {
       [ "$UVM_PREFETCH" = 1 ] && STEPS=$UVM_STEPS WARMUP=$UVM_WARMUP \
         bench "criteo-1tb(full, uvm at $UVM_GPU_MEMORY GiB, prefetch) $p b$bs" --precision $p \
         --gpu_memory "$UVM_GPU_MEMORY" -- "${flags[@]}" --batch_size $bs --prefetch_pipeline
-      STEPS=$UVM_STEPS WARMUP=$UVM_WARMUP bench "criteo-1tb(full, all in GPU memory) $p b$bs" --precision $p \
+      # No cache to warm: the usual warm-up.
+      STEPS=$UVM_STEPS bench "criteo-1tb(full, all in GPU memory) $p b$bs" --precision $p \
         -- "${flags[@]}" --batch_size $bs --embedding_kernel fused
     done
   done

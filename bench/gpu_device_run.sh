@@ -12,6 +12,8 @@
 #
 # $OUT gets four files: summary.txt (every verdict and figure, one line each), steps.log (each
 # step's output), bench.log and results.txt (gpu_bench.sh's). Without a GPU: NOT RUN, exit 3.
+# Limits (seconds): BUDGET (450, all steps), CHECK_LIMIT (130, the GPU checks), UVM_LIMIT (240);
+# the uvm phase's UVM_WARMUP (150), UVM_STEPS (20), UVM_PREFETCH (0; 1 adds --prefetch_pipeline).
 set -u
 cd "$(dirname "$0")/.." || exit 2
 export GPU_STAGING=${GPU_STAGING:-.gpu} PYTHON=${PYTHON:-python3}
@@ -77,10 +79,10 @@ step quickstart 75 bash -c '
     | tee -a "$OUT/results.txt"'
 grep '^quickstart bf16' "$OUT/results.txt" 2>/dev/null | tee -a "$SUMMARY"
 
-step gpu_check "${CHECK_LIMIT:-150}" bash bench/gpu_check.sh cache_unlocked host_lengths pinned uvm_prefetch fused rng_devices
+step gpu_check "${CHECK_LIMIT:-130}" bash bench/gpu_check.sh cache_unlocked host_lengths pinned uvm_prefetch fused rng_devices
 grep -E '^(PASS|FAIL|NOT RUN) ' "$LOG" | tee -a "$SUMMARY"
 
 step uvm "${UVM_LIMIT:-240}" env UVM_BATCHES=65536 UVM_PRECISIONS=bf16 UVM_PREFETCH="${UVM_PREFETCH:-0}" \
-  UVM_WARMUP="${UVM_WARMUP:-150}" UVM_STEPS="${UVM_STEPS:-20}" RUN_TIMEOUT=120 bash bench/gpu_bench.sh uvm
+  UVM_WARMUP="${UVM_WARMUP:-150}" UVM_STEPS="${UVM_STEPS:-20}" RUN_TIMEOUT=150 bash bench/gpu_bench.sh uvm
 grep -E '^(uvm:|plan |criteo-1tb)' "$OUT/results.txt" 2>/dev/null | tee -a "$SUMMARY"
 say "gpu_device_run: done in $((SECONDS - T0)) s"
