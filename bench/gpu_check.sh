@@ -10,7 +10,16 @@
 #   bash bench/gpu_check.sh fused pinned    # some of them
 #
 # Exit code: 0 every check ran and passed; 1 a check failed; 3 none failed but some could not
-# run here (no GPU: each says so). The checks are in bench/gpu_check.py.
+# run here (no GPU: each says so). The checks are in bench/gpu_check.py; PYTHON and
+# GPU_STAGING: bench/gpu_env.sh.
 set -u
 cd "$(dirname "$0")/.." || exit 2
-exec "${PYTHON:-.venv/bin/python}" bench/gpu_check.py "$@"
+. bench/gpu_env.sh
+if ! command -v "$PYTHON" >/dev/null 2>&1; then
+  for name in "${@:-every check}"; do echo "NOT RUN $name: no $PYTHON (run bash scripts/install.sh, or set PYTHON)"; done
+  exit 3
+fi
+if [ -z "$(gpu_why_not)" ]; then
+  prepare_staging || exit 1
+fi
+exec "$PYTHON" bench/gpu_check.py "$@"

@@ -16,8 +16,8 @@ first launch ("no kernel image is available"), never silently, since CUDA loads 
 lazily (the default since CUDA 12.2; keep ``CUDA_MODULE_LOADING=LAZY``).
 
     python bench/gpu_ship.py fbgemm_gpu-1.6.0-cp312-cp312-manylinux_2_28_x86_64.whl .gpu/fbgemm
-    # then, on the GPU machine:
-    python3 -c "import tarfile; tarfile.open('.gpu/fbgemm/fbgemm_gpu.tar.xz').extractall('/tmp/site')"
+    # then, on the GPU machine, with torchrec's wheels in .gpu/whl (bench/RESULTS.md says which):
+    GPU_STAGING=.gpu bash bench/gpu_bench.sh uvm     # or bench/gpu_device_run.sh
 
 The fatbin layout (not documented by NVIDIA; as read by cuobjdump-like tools): a section
 holds containers, each a 16-byte header (magic 0xBA55ED50, version u16, header size u16,
@@ -143,34 +143,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--part_mib", type=int, default=0, help="split the archive into parts of this many MiB")
     ns = parser.parse_args(argv)
 
-    buf = io.BytesIO()
-    with zipfile.ZipFile(ns.wheel) as whl, tarfile.open(fileobj=buf, mode="w") as tar:
-        for info in whl.infolist():
-            if info.is_dir():
-                continue
-            blob = whl.read(info)
-            base = os.path.basename(info.filename)
-            if base.endswith(".so"):
-                slim, stats = slim_library(base, blob, ns.keep_arch)
-                blob = bytes(slim)
-                print(f"{base:52s} {len(blob) / 2**20:8.1f} MiB, device code kept "
-                      f"{stats['kept'] / 2**20:6.1f} MiB, zeroed {stats['zeroed'] / 2**20:7.1f} MiB, "
-                      f"TUs dropped {stats['dropped_tus']}", file=sys.stderr)  # fmt: skip
-            ti = tarfile.TarInfo(info.filename)
-            ti.size, ti.mode = len(blob), 0o755 if base.endswith(".so") else 0o644
-            tar.addfile(ti, io.BytesIO(blob))
-    print(f"tar {buf.tell() / 2**20:.0f} MiB; compressing (xz)...", file=sys.stderr)
-    packed = subprocess.run(["xz", "-9", "-T0", "-c"], input=buf.getvalue(), capture_output=True, check=True).stdout
     os.makedirs(ns.out_dir, exist_ok=True)
     out = os.path.join(ns.out_dir, "fbgemm_gpu.tar.xz")
+    # Streamed through xz: the wheel unpacks to 2.5 GB, which need not sit in memory twice.
+    with open(out, "wb") as packed_file:
+        xz = subprocess.Popen(["xz", "-9", "-T0", "-c"], stdin=subprocess.PIPE, stdout=packed_file)
+        assert xz.stdin is not None
+        with zipfile.ZipFile(ns.wheel) as whl, tarfile.open(fileobj=xz.stdin, mode="w|") as tar:
+            for info in whl.infolist():
+                if info.is_dir():
+                    continue
+                blob = whl.read(info)
+                base = os.path.basename(info.filename)
+                if base.endswith(".so"):
+                    slim, stats = slim_library(base, blob, ns.keep_arch)
+                    blob = bytes(slim)
+                    print(f"{base:52s} {len(blob) / 2**20:8.1f} MiB, device code kept "
+                          f"{stats['kept'] / 2**20:6.1f} MiB, zeroed {stats['zeroed'] / 2**20:7.1f} MiB, "
+                          f"TUs dropped {stats['dropped_tus']}", file=sys.stderr)  # fmt: skip
+                ti = tarfile.TarInfo(info.filename)
+                ti.size, ti.mode = len(blob), 0o755 if base.endswith(".so") else 0o644
+                tar.addfile(ti, io.BytesIO(blob))
+        xz.stdin.close()
+        if xz.wait() != 0:
+            raise SystemExit(f"gpu_ship: xz failed (exit {xz.returncode})")
+    with open(out, "rb") as f:
+        packed = f.read()
     if ns.part_mib:
         step = ns.part_mib * 2**20
         for i in range(0, len(packed), step):
             with open(f"{out}.part{i // step:02d}", "wb") as f:
                 f.write(packed[i:i + step])
-    else:
-        with open(out, "wb") as f:
-            f.write(packed)
+        os.remove(out)
     print(f"{out}: {len(packed) / 2**20:.1f} MiB", file=sys.stderr)
     return 0
 

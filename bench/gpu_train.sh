@@ -1,9 +1,18 @@
 #!/usr/bin/env bash
-# `train` on one GPU at batch 65,536 with 0..N --data_workers (issue #7), staged as for
-# bench/gpu_bench.sh (.gpu/src, /tmp/site); WORKERS="0 default 4 8 12", KINDS="random planted"
-# and TRAIN_FLAGS="--precision bf16" pick the runs.
-export PYTHONPATH=.gpu/src:/tmp/site PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=LAZY
-python3 - <<'PY'
+# `train` on one GPU at batch 65,536 with 0..N --data_workers (issue #7), from a checkout where
+# scripts/install.sh ran (PYTHON and GPU_STAGING: bench/gpu_env.sh); WORKERS="0 default 4 8 12",
+# KINDS="random planted" and TRAIN_FLAGS="--precision bf16" pick the runs. Without a CUDA GPU:
+# `NOT RUN` and exit 3.
+set -u
+cd "$(dirname "$0")/.." || exit 2
+. bench/gpu_env.sh
+why=$(gpu_why_not)
+if [ -n "$why" ]; then
+  echo "NOT RUN gpu_train: $why"
+  exit 3
+fi
+prepare_staging || exit 1
+"$PYTHON" - <<'PY'
 import time, torch
 from torchrec_cloud.config import parse_job_config
 from torchrec_cloud.data.synthetic import SyntheticSource
@@ -22,10 +31,10 @@ PY
 for kind in ${KINDS:-random planted}; do
 for p in ${WORKERS:-0 default 4 8 12}; do
   out=/tmp/tr_${kind}_$p
-  timeout 150 python3 -m torchrec_cloud train --preset quickstart --synthetic $kind --batch_size 65536 \
+  timeout 150 "$PYTHON" -m torchrec_cloud train --preset quickstart --synthetic $kind --batch_size 65536 \
     --num_batches_per_epoch 80 --num_eval_batches 1 --log_every 20 $( [ $p = default ] || echo --data_workers $p ) ${TRAIN_FLAGS:-} \
     --no-progress --no-tensorboard --output_dir $out > $out.log 2>&1 || { echo "FAILED $kind $p"; tail -20 $out.log; continue; }
-  python3 -c "
+  "$PYTHON" -c "
 import json
 r = [json.loads(l) for l in open('$out/metrics.jsonl')]
 t = [x for x in r if x['event'] == 'train']

@@ -26,6 +26,13 @@ there), with the dense matmuls in float32, TF32 or bfloat16 autocast, and option
 
     torchrec-cloud bench --worker ours --steps 50 --warmup 10 --precision bf16 \\
         --profile prof.txt -- --preset quickstart --synthetic random --batch_size 65536
+
+UVM-cached tables on a GPU that could hold them all: ``--gpu_memory GB`` plans for a smaller
+GPU; ids with a skew (``--synthetic planted``) and enough warm-up steps to fill the cache
+make the hit rate (``uvm_cache_hit_rate``, beside samples/s) that of a warm cache::
+
+    torchrec-cloud bench --worker ours --steps 30 --warmup 150 --precision bf16 --gpu_memory 79 \\
+        -- --preset criteo-1tb --synthetic planted --batch_size 65536
 """
 
 from __future__ import annotations
@@ -89,10 +96,20 @@ def _profile_summary(prof, rows: int = 30) -> str:
 # -- workers (each in its own process) ---------------------------------------------------
 
 
-def worker_ours(cfg, steps: int, warmup: int, precision: str = "fp32", profile: str | None = None) -> dict[str, Any]:
+def cache_hit_rate(stats: dict[str, int] | None) -> float | None:
+    """The share of the distinct ids of each batch that a UVM cache already held, from
+    fbgemm's counters (:func:`torchrec_cloud.compat.cache_stats`): the rows that did not cross
+    PCIe. fbgemm counts misses per distinct id, so this is the figure its counters give."""
+    if not stats or not stats["num_unique_indices"]:
+        return None
+    return 1.0 - stats["num_unique_misses"] / stats["num_unique_indices"]
+
+
+def worker_ours(cfg, steps: int, warmup: int, precision: str = "fp32", profile: str | None = None,
+                gpu_memory: float | None = None) -> dict[str, Any]:  # fmt: skip
     import torch.distributed as dist
 
-    from torchrec_cloud import comm
+    from torchrec_cloud import comm, compat
     from torchrec_cloud.build import build
     from torchrec_cloud.distributed import init_distributed, kernel_counts
     from torchrec_cloud.train import quiet_library_warnings
@@ -100,7 +117,7 @@ def worker_ours(cfg, steps: int, warmup: int, precision: str = "fp32", profile: 
     quiet_library_warnings()
     env = init_distributed(cfg.train.backend, cfg.train.num_threads, cfg.train.pg_timeout_s)
     torch.manual_seed(env.rank)
-    trainer = build(cfg, env)
+    trainer = build(cfg, env, gpu_memory)
     pipeline = trainer.pipeline  # the schedule is not stepped: the rate stays at its first step's
     profile_steps = 5 if profile else 0
     # A batch of its own for every step, as training reads them: the ids of a few batches
@@ -112,6 +129,9 @@ def worker_ours(cfg, steps: int, warmup: int, precision: str = "fp32", profile: 
     if on_gpu:  # as a DataLoader with pin_memory=True hands them over: copies overlap compute
         batches = [b.pin_memory() for b in batches]
     step_context = precision_context(precision, env.device)
+    # UVM-cached tables: fbgemm's cache counters, zeroed after the warm-up steps (which fill
+    # the cache), so the hit rate is that of the timed steps.
+    cached = compat.gather_cache_stats(trainer.dmp) if on_gpu else 0
     drawn = len(batches)
     it = iter(batches)
 
@@ -128,11 +148,14 @@ def worker_ours(cfg, steps: int, warmup: int, precision: str = "fp32", profile: 
     alongside = not on_gpu and env.world_size == 1
     matmul_before = _matmul_gflops_in_child(torch.get_num_threads()) if alongside else None
     run(warmup)
+    if cached:
+        compat.reset_cache_stats(trainer.dmp)
     comm.barrier()
     start = time.perf_counter()
     run(steps)
     seconds = time.perf_counter() - start
     done = steps
+    cache_stats = compat.cache_stats(trainer.dmp) if cached else None
     if profile:
         header = f"{profile_steps} steps, batch {cfg.data.batch_size}, precision {precision}: " \
                  f"{seconds / steps * 1e3:.2f} ms/step timed without the profiler"  # fmt: skip
@@ -159,6 +182,11 @@ def worker_ours(cfg, steps: int, warmup: int, precision: str = "fp32", profile: 
         result["cpu_kernels"] = "native" if "cpu_kernels" in trainer.speedups.applied else "torch ops"
     if on_gpu:
         result["peak_gpu_mem_gb"] = torch.cuda.max_memory_allocated(env.device) / 2**30
+        result["gpu_memory_gib"] = torch.cuda.get_device_properties(env.device).total_memory / 2**30
+        # The planner's budget where --gpu_memory capped it (None: the whole GPU).
+        result["planner_gpu_memory_gib"] = gpu_memory
+        result["uvm_cache_hit_rate"] = cache_hit_rate(cache_stats)
+        result["uvm_cache_stats"] = cache_stats
     comm.barrier()
     dist.destroy_process_group()
     return result if env.rank == 0 else {}
@@ -392,6 +420,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                              "bf16 (bfloat16 autocast; tables and optimizer state stay fp32)")  # fmt: skip
     parser.add_argument("--profile", metavar="FILE",
                         help="with --worker ours: profile 5 more steps; top ops to FILE, a Chrome trace to FILE.trace.json")  # fmt: skip
+    parser.add_argument("--gpu_memory", type=float, metavar="GB",
+                        help="with --worker ours on a GPU: plan the tables for at most this many GiB of GPU memory "
+                             "(as `plan --gpu_memory` does), so that the planner keeps in host memory (UVM, with a "
+                             "cache) the tables a GPU of that size could not hold; the BENCH line then has the "
+                             "cache's hit rate over the timed steps (uvm_cache_hit_rate)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object on the last line")
     parser.add_argument("--worker", choices=["ours", "handwritten", "bound"],
                         help="measure one of them only, in this process (under torchrun: ours on its ranks), and "
@@ -408,10 +441,14 @@ def _main(ns: argparse.Namespace) -> int:
     for name in ("batch_size", "steps", "warmup"):
         if getattr(ns, name) <= 0:
             raise ConfigError(name, f"must be > 0, got {getattr(ns, name)}")
+    if ns.gpu_memory is not None and ns.gpu_memory <= 0:
+        raise ConfigError("gpu_memory", f"must be > 0 (GiB of GPU memory the planner plans for), got {ns.gpu_memory}")
+    if ns.gpu_memory is not None and ns.worker != "ours":
+        raise ConfigError("gpu_memory", "applies to one measurement of our trainer: add --worker ours")
     if ns.worker:
         cfg = parse_job_config(ns.train_args)
         if ns.worker == "ours":
-            result = worker_ours(cfg, ns.steps, ns.warmup, ns.precision, ns.profile)
+            result = worker_ours(cfg, ns.steps, ns.warmup, ns.precision, ns.profile, ns.gpu_memory)
         elif ns.worker == "handwritten":
             result = worker_handwritten(cfg, ns.steps, ns.warmup)
         else:

@@ -11,6 +11,7 @@ sharding over the ranks, the optimizers, the schedule and TorchRec's training pi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.train_pipeline import PrefetchTrainPipelineSparseDist, TrainPipelineSparseDist
@@ -38,14 +39,15 @@ class Trainer:
     tables: list[dict]  # where each table went (distributed.plan_tables), for the start record
 
 
-def build(cfg: JobConfig, env: Env) -> Trainer:
+def build(cfg: JobConfig, env: Env, gpu_memory_gib: Optional[float] = None) -> Trainer:
     """Build, shard and wrap the model of ``cfg`` for this rank (collective). The private
-    names of the stack are checked first (:mod:`torchrec_cloud.compat`)."""
+    names of the stack are checked first (:mod:`torchrec_cloud.compat`). ``gpu_memory_gib``
+    caps the GPU memory the planner plans for (``bench --gpu_memory``)."""
     compat.check()  # a core name that moved stops the run here, with its name
     model = build_model(cfg.model, dense_device=env.device)
     layer = speedups.prepare(cfg, env)
     layer.apply_to_model(model)
-    dmp, plan = shard_model(model, cfg, env, layer.step_groups)
+    dmp, plan = shard_model(model, cfg, env, layer.step_groups, gpu_memory_gib)
     layer.apply_to_sharded(dmp)
     optimizer = build_optimizer(dmp, cfg.optimizer)
     scheduler = WarmupPolyDecay(optimizer, cfg.optimizer)

@@ -319,6 +319,16 @@ PRIVATE: tuple[Private, ...] = (
                 _registers(f"{_TBE}._init_uvm_cache_counter", "lxu_cache_locking_counter")),
     ),
     Private(
+        "fbgemm SplitTableBatchedEmbeddingBagsCodegen UVM cache counters (gather_uvm_cache_stats, "
+        "_init_uvm_cache_stats, get_uvm_cache_stats, reset_uvm_cache_stats, UVMCacheStatsIndex)",
+        "bench.py worker_ours (compat.gather_cache_stats, compat.cache_stats): the UVM cache's hit rate",
+        _all_of(_assigned_in(f"{_TBE}.__init__", "gather_uvm_cache_stats", "uvm_cache_stats_size"),
+                _registers(f"{_TBE}._init_uvm_cache_stats", "uvm_cache_stats", "local_uvm_cache_stats"),
+                _has(_TBE, "_init_uvm_cache_stats", "get_uvm_cache_stats", "reset_uvm_cache_stats"),
+                _has("fbgemm_gpu.split_table_batched_embeddings_ops_training.UVMCacheStatsIndex",
+                     "num_unique_indices", "num_unique_misses", "num_conflict_misses")),
+    ),
+    Private(
         "torch.distributed._shard.sharded_tensor (Shard, ShardedTensor._init_from_local_shards_and_global_metadata, "
         "ShardedTensor._process_group)",
         "checkpoint/dcp.py private_copy: an asynchronous save's copy of the tables' shards",
@@ -502,6 +512,48 @@ def unlock_cache_rows(model: Any) -> int:
             module.timesteps_prefetched.clear()
             count += 1
     return count
+
+
+def _caching_modules(model: Any) -> list:
+    return [m for m in table_batched_modules(model) if m.lxu_cache_weights.numel()]
+
+
+def gather_cache_stats(model: Any) -> int:
+    """Turn on fbgemm's UVM cache counters in every table-batched module of ``model`` that has
+    a cache, and zero them; returns how many. fbgemm takes the switch only as a constructor
+    argument (``gather_uvm_cache_stats``), which TorchRec does not pass: this sets it and
+    runs the method that constructor runs for it (fbgemm-gpu 1.8.0 and 1.6.0
+    ``split_table_batched_embeddings_ops_training.py``: ``_init_uvm_cache_stats``, which
+    registers the counters as buffers a checkpoint would save: for ``bench``, not training)."""
+    modules = _caching_modules(model)
+    for module in modules:
+        module.gather_uvm_cache_stats = True
+        module._init_uvm_cache_stats()
+    return len(modules)
+
+
+def reset_cache_stats(model: Any) -> None:
+    """Zero the counters :func:`gather_cache_stats` turned on."""
+    for module in _caching_modules(model):
+        if module.gather_uvm_cache_stats:
+            module.reset_uvm_cache_stats()
+
+
+def cache_stats(model: Any) -> Optional[dict[str, int]]:
+    """fbgemm's UVM cache counters summed over ``model``'s caching modules since they were
+    zeroed (``num_calls``, ``num_requested_indices``, ``num_unique_indices``,
+    ``num_unique_misses``, ``num_conflict_unique_misses``, ``num_conflict_misses``: per
+    prefetch, the ids looked up, the distinct ones, the distinct ones not in the cache, those
+    of them the cache could not take, and the lookups then read from host memory), or None
+    where no module gathers them."""
+    import torch
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import UVMCacheStatsIndex
+
+    modules = [m for m in _caching_modules(model) if m.gather_uvm_cache_stats]
+    if not modules:
+        return None
+    totals = sum(m.get_uvm_cache_stats().to("cpu", dtype=torch.int64) for m in modules)
+    return {index.name: int(totals[index.value]) for index in UVMCacheStatsIndex}
 
 
 def load_whole(storage_reader: Any, planner: Any) -> dict[str, Any]:

@@ -138,9 +138,13 @@ def _host_memory_bytes() -> int:
     return psutil.virtual_memory().total
 
 
-def topology(env: Env) -> Topology:
-    """The planner's view of the job: ranks, ranks per host, device kind and memory."""
+def topology(env: Env, gpu_memory_gib: Optional[float] = None) -> Topology:
+    """The planner's view of the job: ranks, ranks per host, device kind and memory. With
+    ``gpu_memory_gib`` the planner gets at most that much of each GPU (``bench --gpu_memory``:
+    tables a large GPU could hold then go to host memory, as on a smaller one)."""
     hbm = torch.cuda.get_device_properties(env.device).total_memory if env.device.type == "cuda" else None
+    if hbm is not None and gpu_memory_gib:
+        hbm = min(hbm, int(gpu_memory_gib * 2**30))
     return make_topology(env.world_size, env.local_world_size, env.device.type, hbm,
                          _host_memory_bytes() // env.local_world_size)  # fmt: skip
 
@@ -160,17 +164,19 @@ def make_topology(
 
 
 def shard_model(
-    model: torch.nn.Module, cfg: JobConfig, env: Env, groups: Optional[StepGroups] = None
+    model: torch.nn.Module, cfg: JobConfig, env: Env, groups: Optional[StepGroups] = None,
+    gpu_memory_gib: Optional[float] = None,
 ) -> tuple[DistributedModelParallel, ShardingPlan]:
     """Fuse row-wise Adagrad into the tables' backward, plan with the real topology, shard.
     The step's all-to-alls and DDP's all-reduces run on ``groups`` (the speed-ups layer's),
-    or on the default group. A model the cluster cannot hold stops here with
+    or on the default group; ``gpu_memory_gib`` caps each GPU's memory the planner plans for
+    (:func:`topology`). A model the cluster cannot hold stops here with
     :class:`DoesNotFit` (one line)."""
     groups = groups or StepGroups()
     constraints = embedding_constraints(model, cfg.sharding, env.device.type)  # a bad kernel fails first
     fuse_optimizer(model, cfg)
     sharders = get_default_sharders()
-    planner, _ = make_planner(topology(env), cfg, constraints)
+    planner, _ = make_planner(topology(env, gpu_memory_gib), cfg, constraints)
     # The plan is made on rank 0 and broadcast as a pickled object: our control group (comm).
     try:
         plan = planner.collective_plan(model, sharders, comm.group() or dist.GroupMember.WORLD)
