@@ -131,3 +131,39 @@ def test_however_a_worker_ends_after_a_peer_is_lost_no_restart_is_spent(case, ch
         for p in (*pods, replacement):
             if p is not None and p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
+
+
+_STORE_HOST = """
+import sys, time
+from torch.distributed import TCPStore
+store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False)
+time.sleep(600)
+"""
+
+
+def test_a_pod_that_met_the_previous_pod_0_on_its_way_out_exits_200(tmp_path):
+    """The rehearsed kill test, once in 20 runs beside a CPU hog: pod 1's replacement reached
+    pod 0's store while pod 0 (the survivor of the first kill) was still ending, and when
+    pod 0 exited the replacement's rendezvous failed before its peer watch had heard the
+    store: exit 1, a counted failure. Here the store's host is killed once the new pod's
+    rendezvous has written its state there; no peer watch at all (--peer_timeout_s=0)."""
+    from torch.distributed import TCPStore
+    from datetime import timedelta
+
+    port = free_port()
+    host = subprocess.Popen([sys.executable, "-c", _STORE_HOST, str(port)], start_new_session=True)
+    pod = None
+    try:
+        client = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=60))
+        pod = start([*LAUNCH, "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                     f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=late", "--peer_timeout_s=0",
+                     "--rdzv_conf=is_host=0", "-m", "torchrec_cloud", "train"])  # fmt: skip
+        client.wait(["torch.rendezvous.late"])  # the pod is in the rendezvous, connected to the store
+        os.killpg(host.pid, signal.SIGKILL)
+        log, _ = pod.communicate(timeout=120)
+        assert pod.returncode == launch.EXIT_PREEMPTED, log
+        assert "the rendezvous store (hosted by pod 0) is gone" in log, log
+    finally:
+        for p in (host, pod):
+            if p is not None and p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)

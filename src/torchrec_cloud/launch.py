@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -447,13 +448,33 @@ def main(argv: list[str]) -> int:
         # Closed by a pod's agent that ended (after its restarts): this pod is not at fault.
         return pod.decide(EXIT_PREEMPTED, "the rendezvous was closed by a peer pod that ended")
     except RendezvousConnectionError as e:
-        if pod.watch is not None and pod.watch.reached:  # the store answered before: its host, pod 0, is gone
+        # The store answered before (the watch heard it, or this connection to it was open and
+        # its host closed it): its host, pod 0, is gone. A pod started while the previous pod
+        # 0 was still ending meets the second one before its watch has heard anything.
+        if (pod.watch is not None and pod.watch.reached) or _closed_by_store_host(e):
             return pod.decide(EXIT_PREEMPTED, f"the rendezvous store (hosted by pod 0) is gone: {_one_line(e)}")
         return pod.decide(EXIT_FAILED, f"{type(e).__name__}: {_one_line(e)}; exit {EXIT_FAILED}")
     except Exception as e:  # noqa: BLE001 - the rendezvous and the agent: one line, not a traceback
         return pod.decide(EXIT_FAILED, f"{type(e).__name__}: {_one_line(e)}; exit {EXIT_FAILED}")
     finally:
         _remove(pod.folder)
+
+
+# How a TCPStore client's open connection ends when the store's host goes: recvBytes and
+# sendBytes raise these (torch 2.13 include/torch/csrc/distributed/c10d/Utils.hpp; a reset or
+# a broken pipe as strerror's text through SYSCHECK). A store never reached says "timed out
+# ... while trying to connect" instead: a wrong endpoint, which a restart cannot fix.
+_CLOSED_BY_HOST = re.compile(r"Connection was likely closed|Connection reset by peer|Broken pipe")
+
+
+def _closed_by_store_host(error: Optional[BaseException]) -> bool:
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if _CLOSED_BY_HOST.search(str(error)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _one_line(e: BaseException) -> str:
