@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from helpers import PYTHON, env_for_subprocess, explain, free_port, run
+from helpers import PYTHON, REPO, env_for_subprocess, explain, free_port, run
 from torchrec_cloud.cli import main
 from torchrec_cloud.data.criteo_gen import write_criteo_tsv
 from torchrec_cloud.data.events_gen import DAY_S, SCHEMA, START, write_events
@@ -226,6 +226,10 @@ def test_a_criteo_model_takes_raw_criteo_fields(criteo, tmp_path):
         status, _, body = request(server.url + "/v2/models/m/infer", {"inputs": inputs})
         assert status == 200, body
         assert body["outputs"][0]["data"] == pytest.approx(expected, abs=1e-6)
+        # The request docs/serving.md sends with curl, as written.
+        example = (REPO / "examples" / "serve" / "criteo_rows.json").read_bytes()
+        status, _, body = request(server.url + "/v1/models/m:predict", raw=example)
+        assert status == 200 and len(body["predictions"]) == 2 and all(0 < p < 1 for p in body["predictions"]), body
         status, _, body = request(server.url + "/v1/models/m:predict", {"instances": [dict(rows[0], cat_3="xyz\t1")]})
         assert status == 400 and "cat_3" in body["error"], body
     finally:
