@@ -72,12 +72,9 @@ class ServedModel:
     def load(self) -> None:
         """Read the scorer and score the canary rows once (the first call also warms it up):
         ``ready`` after that; a ServingError naming the folder otherwise."""
-        import torch
-
         from torchrec_cloud.serving.predict import load_scorer
 
         self.scorer = load_scorer(self.model_dir, self.config["files"][SCORER_FILE])
-        torch.set_grad_enabled(False)
         self.canary()
         self.ready = True
 

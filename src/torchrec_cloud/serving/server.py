@@ -192,13 +192,14 @@ class State:
         self.name = ns.name
         self.loaded = False
         self.draining = False
+        self.draining_since = 0.0  # set by the signal handler itself, before anything else
         self.failed: Optional[str] = None
         self.batcher = Batcher(lambda: self.model, ns.max_batch_size, ns.max_delay_ms / 1000, ns.max_queue,
                                on_batch=metrics.batch_rows.observe, on_depth=metrics.queue_depth.set)  # fmt: skip
 
     @property
     def ready(self) -> bool:
-        return self.loaded and not self.draining
+        return self.loaded and not self.draining and not self.draining_since
 
     def swap(self, model: Any) -> None:
         old = self.model
@@ -424,7 +425,9 @@ def serve(ns: argparse.Namespace) -> int:
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             # uvicorn re-raises the signal after its shutdown (exit status 143); a drained server exits 0.
-            state.drain()
+            # Not ready at once; the rest in a thread: a signal handler that prints could interrupt a print.
+            state.draining_since = state.draining_since or time.monotonic()
+            threading.Thread(target=state.drain, name="drain").start()
             if self.should_exit and sig == signal.SIGINT:
                 self.force_exit = True
             self.should_exit = True
