@@ -76,14 +76,15 @@ def criteo(tmp_path_factory):
 class Server:
     """``torchrec-cloud serve`` in a process of its own; its stderr (access log) in a file."""
 
-    def __init__(self, model: Path, tmp: Path, *flags: str) -> None:
+    def __init__(self, model: Path | str, tmp: Path, *flags: str, env: dict | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"serve_{self.port}.log"
         self._err = open(self.log, "w")
         self.proc = subprocess.Popen([PYTHON, "-m", "torchrec_cloud", "serve", str(model), "--name", "m", "--host",
                                       "127.0.0.1", "--port", str(self.port), *flags],
-                                     env=env_for_subprocess(), stdout=subprocess.DEVNULL, stderr=self._err)  # fmt: skip
+                                     env={**env_for_subprocess(), **(env or {})}, stdout=subprocess.DEVNULL,
+                                     stderr=self._err)  # fmt: skip
         self.wait_for(lambda: get(self.url + "/v2/health/ready")[0] == 200, "ready")
 
     def wait_for(self, condition, what: str, limit: float = 180) -> None:
@@ -401,3 +402,33 @@ def test_versions_swap_under_load_and_a_broken_one_is_refused(events, criteo, tm
     refused = [line for line in log.splitlines() if "refused version" in line]
     assert len(refused) == 2 and all("still serving v2" in line for line in refused), refused
     assert "scorer.pt" in refused[0] and "columns" in refused[1], refused
+
+
+def test_a_published_root_in_a_bucket_is_served_and_followed(events, s3_service, monkeypatch, tmp_path):
+    """MODEL as a bucket URL (storage.py): a published root on the S3 emulator, its versions
+    read from there, a new ``current`` followed."""
+    from torchrec_cloud import storage
+
+    for key, value in s3_service.env.items():
+        monkeypatch.setenv(key, value)
+    root = f"{s3_service.url}/published"
+    for version, model in (("v1", events / "model"), ("v2", events / "model_step3")):
+        for f in model.rglob("*"):
+            if f.is_file():
+                storage.write_bytes(storage.join(root, version, *f.relative_to(model).parts), f.read_bytes())
+    storage.write_bytes(storage.join(root, "current"), b"v1\n")
+    rows_file = tmp_path / "rows.parquet"
+    pq.write_table(pq.read_table(events / "events" / "day_2.parquet").slice(0, 3), rows_file)
+    body = {"instances": v1_rows(pq.read_table(rows_file))}
+    server = Server(root, tmp_path, "--poll_s", "0.2", env=s3_service.env)
+    try:
+        status, headers, got = request(server.url + "/v1/models/m:predict", body)
+        assert status == 200 and headers["x-model-version"] == "v1", got
+        assert got["predictions"] == pytest.approx(predicted(events / "model", rows_file, tmp_path), abs=1e-6)
+        storage.write_bytes(storage.join(root, "current"), b"v2\n")
+        server.wait_for(lambda: get(server.url + "/v2/models/m")[1]["versions"] == ["v2"], "v2 from the bucket")
+        status, headers, got = request(server.url + "/v1/models/m:predict", body)
+        assert status == 200 and headers["x-model-version"] == "v2", got
+        assert got["predictions"] == pytest.approx(predicted(events / "model_step3", rows_file, tmp_path), abs=1e-6)
+    finally:
+        assert server.stop() == 0, server.text()[-3000:]
