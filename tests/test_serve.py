@@ -296,6 +296,20 @@ def test_a_full_queue_answers_503_at_once_and_sigterm_answers_what_it_holds(even
     assert "SIGTERM: not ready; answering 2 queued request(s)" in server.text()
 
 
+def test_a_request_not_scored_in_time_is_answered_504_and_leaves_the_queue(events, tmp_path):
+    """With a batch that never fills, a request waits out --timeout_s: 504, and its place in
+    the queue (one place here) is free again for the next one."""
+    rows = v1_rows(pq.read_table(events / "events" / "day_2.parquet").slice(0, 1))
+    server = Server(events / "model", tmp_path, "--max_queue", "1", "--max_delay_ms", "3600000", "--timeout_s", "0.5")
+    try:
+        for _ in range(2):
+            status, _, body = request(server.url + "/v1/models/m:predict", {"instances": rows})
+            assert status == 504 and "--timeout_s" in body["error"], body
+        assert server.metric("torchrec_serve_queue_depth") == 0
+    finally:
+        assert server.stop() == 0, server.text()[-3000:]
+
+
 def test_sigterm_under_load_answers_every_accepted_request_and_exits_0(events, tmp_path):
     """Six clients, batches of 4 rows that wait for ever to fill: at any time at least two
     requests are queued, so SIGTERM always finds some. Every request the server accepted (its

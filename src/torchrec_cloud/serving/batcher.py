@@ -56,6 +56,16 @@ class Batcher:
             self._cv.notify()
             return item
 
+    def cancel(self, item: Item) -> None:
+        """A request given up (its timeout): out of the queue if it is still there."""
+        with self._cv:
+            item.cancelled = True
+            try:
+                self._queue.remove(item)
+            except ValueError:  # taken into a batch already: scored, its answer dropped
+                return
+            self.on_depth(len(self._queue))
+
     def depth(self) -> int:
         with self._cv:
             return len(self._queue)

@@ -310,7 +310,7 @@ def build_app(state: State) -> Any:
         try:
             result, model = await asyncio.wait_for(asyncio.shield(answer), ns.timeout_s)
         except asyncio.TimeoutError:
-            item.cancelled = True
+            state.batcher.cancel(item)
             raise Refused(504, f"not scored within {ns.timeout_s:g}s (--timeout_s)") from None
         request.scope["torchrec_serve"]["version"] = model.version
         if isinstance(result, RequestError):
