@@ -201,6 +201,13 @@ def test_v1_and_v2_answers_equal_predict_on_parquet_rows(events, served, tmp_pat
     pq.write_table(pa.Table.from_pylist([row], schema=table.schema), tmp_path / "new.parquet")
     assert status == 200, body
     assert body["predictions"] == pytest.approx(predicted(events / "model", tmp_path / "new.parquet", tmp_path), abs=1e-6)
+    # A row of missing values only (null in every column): scored as predict scores it.
+    empty = {k: None for k in row if k != "clicked"}  # predict scores rows without the label too
+    status, _, body = request(served.url + "/v1/models/m:predict", {"instances": [empty]})
+    unlabelled = table.schema.remove(table.schema.get_field_index("clicked"))
+    pq.write_table(pa.Table.from_pylist([empty], schema=unlabelled), tmp_path / "empty.parquet")
+    assert status == 200, body
+    assert body["predictions"] == pytest.approx(predicted(events / "model", tmp_path / "empty.parquet", tmp_path), abs=1e-6)
     status, meta = get(served.url + "/v2/models/m")
     assert status == 200 and meta["versions"] == ["model"]
     assert sorted(i["name"] for i in meta["inputs"]) == sorted(COLUMNS)

@@ -87,6 +87,8 @@ def column_array(c: Column, values: list, where: str) -> Any:
         return pa.array([v if v is None or isinstance(v, str) else repr(v) for v in values], pa.string())
     if c.kind == NUMBER:
         return pa.array(values, pa.float64())
+    if all(v is None for v in values):  # typed, so that an integer id column of nulls converts
+        return pa.array(values, pa.string())
     try:
         return pa.array(values)
     except (pa.ArrowException, OverflowError):
