@@ -82,11 +82,14 @@ def column_array(c: Column, values: list, where: str) -> Any:
         if v is not None and (isinstance(v, bool) or not isinstance(v, allowed)):
             raise wrong(i, expected)
         if isinstance(v, float) and not math.isfinite(v):
-            raise wrong(i, expected)
+            raise Refused(400, f"{where} {c.name}: row {i}: {v!r} is not a finite number")
     if c.kind in (CRITEO_INT, CRITEO_HEX) or any(isinstance(v, str) for v in values):
         return pa.array([v if v is None or isinstance(v, str) else repr(v) for v in values], pa.string())
     if c.kind == NUMBER:
-        return pa.array(values, pa.float64())
+        try:
+            return pa.array(values, pa.float64())
+        except (pa.ArrowException, OverflowError):
+            raise Refused(400, f"{where} {c.name}: a number out of range") from None
     if all(v is None for v in values):  # typed, so that an integer id column of nulls converts
         return pa.array(values, pa.string())
     try:
