@@ -120,4 +120,7 @@ class Batcher:
                 results = [e] * len(batch)
             self.on_batch(sum(i.rows for i in batch))
             for item, result in zip(batch, results):
-                item.done(result, model)
+                try:
+                    item.done(result, model)
+                except RuntimeError:  # its server's event loop has closed: no one to answer
+                    pass
