@@ -460,3 +460,23 @@ def test_a_published_root_in_a_bucket_is_served_and_followed(events, s3_service,
         assert got["predictions"] == pytest.approx(predicted(events / "model_step3", rows_file, tmp_path), abs=1e-6)
     finally:
         assert server.stop() == 0, server.text()[-3000:]
+
+
+@pytest.mark.parametrize("current", [None, "../model\n", "/etc\n", "missing\n"])
+def test_what_is_no_model_is_refused_before_listening(tmp_path, capsys, current):
+    """A folder that holds no model, or a root whose ``current`` names a folder outside it or
+    none: one line, exit 1, nothing served."""
+    root = tmp_path / "root"
+    root.mkdir()
+    if current is not None:
+        (root / "current").write_text(current)
+    capsys.readouterr()
+    rc = main(["serve", str(root), "--port", str(free_port())])
+    err = capsys.readouterr().err
+    assert rc == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    if current is None:
+        assert "not a model directory" in err, err
+    elif current == "missing\n":
+        assert "missing" in err and "model_config.json" in err, err
+    else:
+        assert "not a name inside its folder" in err, err
