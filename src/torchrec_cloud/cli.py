@@ -43,6 +43,7 @@ COMMANDS = {
     "checkpoint": "torchrec_cloud.checkpoint.cli",
     "export": "torchrec_cloud.serving.export",
     "predict": "torchrec_cloud.serving.predict",
+    "serve": "torchrec_cloud.serving.server",
     "launch": "torchrec_cloud.launch",
     "rehearse": "torchrec_cloud.rehearse",
 }
@@ -60,6 +61,7 @@ SUMMARIES = {
     "checkpoint": "list and inspect checkpoints (a run folder, a local folder or s3://, gs://, az:// URL)",
     "export": "export a training checkpoint to a model directory that serves (TorchScript + weights)",
     "predict": "score a dataset with an exported model: one click probability per row, AUC and log loss",
+    "serve": "serve an exported model over HTTP (KServe v1/v2 protocols): raw rows in, probabilities out",
     "launch": "torchrun for Kubernetes pods: same flags, exit codes a controller can act on",
     "rehearse": "run a rendered job's pods on this machine under its controller's rules, with faults",
 }
@@ -73,6 +75,8 @@ EXTRAS = {
     "s3fs": "cloud",
     "gcsfs": "cloud",
     "adlfs": "cloud",
+    "starlette": "serve",
+    "uvicorn": "serve",
 }
 
 

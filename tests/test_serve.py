@@ -1,0 +1,482 @@
+"""`torchrec-cloud serve`: real server processes on 127.0.0.1, real HTTP clients (urllib).
+
+Two small models are trained and exported once for the module (events from data/events_gen.py
+with string ids, lists and missing prices; a Criteo TSV). The tests check what a client
+notices: v1 and v2 answers equal `predict --input` on the same rows; bad requests get one
+JSON line naming the column or limit; a full queue answers 503 at once; SIGTERM answers what
+was accepted and exits 0; a published version is swapped in under load with every answer from
+exactly one version; a broken version is refused while the old one serves.
+
+Nothing here waits on the clock to decide an outcome: the queue is held full by a batch that
+cannot fill (--max_delay_ms far beyond the test), and each wait polls for a state the server
+reports (its /metrics, its log) with a generous limit.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from helpers import PYTHON, REPO, env_for_subprocess, explain, free_port, run
+from torchrec_cloud.cli import main
+from torchrec_cloud.data.criteo_gen import write_criteo_tsv
+from torchrec_cloud.data.events_gen import DAY_S, SCHEMA, START, write_events
+
+MODEL = ["--embedding_dim", "8", "--dense_arch_layer_sizes", "16,8", "--over_arch_layer_sizes", "16,1",
+         "--batch_size", "100", "--no-progress", "--no-tensorboard", "--eval_every", "0"]  # fmt: skip
+COLUMNS = ["user", "item", "tags", "recent", "price", "views"]
+
+
+def train_and_export(root: Path, data: Path, *exports: tuple[str, str]) -> None:
+    proc = run([PYTHON, "-m", "torchrec_cloud", "train", "--dataset_path", str(data), *MODEL, "--checkpoint_path",
+                str(root / "ck"), "--checkpoint_interval", "3", "--output_dir", str(root / "run")])  # fmt: skip
+    assert proc.returncode == 0, explain(proc)
+    for step, out in exports:
+        checkpoint = root / "ck" if step == "last" else next((root / "ck").glob(f"step_*{step}"))
+        assert main(["export", str(checkpoint), "--output", str(root / out)]) == 0
+
+
+@pytest.fixture(scope="module")
+def events(tmp_path_factory):
+    """Events preprocessed (day 0 trains, 1 validates, 2 tests), trained on one process with a
+    checkpoint every 3 steps; the last exported to ``model``, step 3 to ``model_step3``."""
+    root = tmp_path_factory.mktemp("serve_events")
+    write_events(str(root / "events"), days=3, rows_per_day=600, seed=0)
+    (root / "schema.yaml").write_text(SCHEMA)
+    assert main(["data", "preprocess", "--no_progress", "--schema", str(root / "schema.yaml"), "--input",
+                 str(root / "events"), "--output", str(root / "data"), "--split_by", "ts",
+                 "--val_from", str(START + DAY_S), "--test_from", str(START + 2 * DAY_S)]) == 0  # fmt: skip
+    train_and_export(root, root / "data", ("last", "model"), ("3", "model_step3"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def criteo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve_criteo")
+    write_criteo_tsv(str(root / "train.txt"), rows=1500, seed=0, vocab=40)
+    assert main(["data", "preprocess", "--no_progress", "--format", "kaggle", "--input", str(root / "train.txt"),
+                 "--output", str(root / "data"), "--num_embeddings", "500"]) == 0  # fmt: skip
+    train_and_export(root, root / "data", ("last", "model"))
+    return root
+
+
+class Server:
+    """``torchrec-cloud serve`` in a process of its own; its stderr (access log) in a file."""
+
+    def __init__(self, model: Path | str, tmp: Path, *flags: str, env: dict | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / f"serve_{self.port}.log"
+        self._err = open(self.log, "w")
+        self.proc = subprocess.Popen([PYTHON, "-m", "torchrec_cloud", "serve", str(model), "--name", "m", "--host",
+                                      "127.0.0.1", "--port", str(self.port), *flags],
+                                     env={**env_for_subprocess(), **(env or {})}, stdout=subprocess.DEVNULL,
+                                     stderr=self._err)  # fmt: skip
+        self.wait_for(lambda: get(self.url + "/v2/health/ready")[0] == 200, "ready")
+
+    def wait_for(self, condition, what: str, limit: float = 180) -> None:
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"the server exited {self.proc.returncode} waiting for {what}:\n{self.text()[-3000:]}")
+            try:
+                if condition():
+                    return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        pytest.fail(f"no {what} within {limit}s:\n{self.text()[-3000:]}")
+
+    def metric(self, name: str) -> float:
+        status, body = get(self.url + "/metrics")
+        lines = [line for line in body.splitlines() if line.startswith(name + " ") or line.startswith(name + "{")]
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+    def text(self) -> str:
+        if not self._err.closed:
+            self._err.flush()
+        return self.log.read_text()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(timeout=120)
+        self._err.close()
+        return rc
+
+
+def request(url: str, body=None, method: str = "POST", raw: bytes | None = None):
+    """(status, headers, parsed JSON or text) of one request on a new connection."""
+    data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            status, headers, text = r.status, r.headers, r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, headers, text = e.code, e.headers, e.read().decode()
+    headers = {k.lower(): v for k, v in headers.items()}
+    try:
+        return status, headers, json.loads(text)
+    except ValueError:
+        return status, headers, text
+
+
+def get(url: str):
+    status, _, body = request(url, method="GET")
+    return status, body
+
+
+def predicted(model: Path, rows: Path, tmp: Path) -> list[float]:
+    out = tmp / f"{model.name}_{rows.stem}.csv"
+    assert main(["predict", str(model), "--input", str(rows), "--output", str(out), "--no_progress"]) == 0
+    with open(out) as f:
+        return [float(r["probability"]) for r in csv.DictReader(f)]
+
+
+def v1_rows(table) -> list[dict]:
+    return table.to_pylist()  # every column, the label and the time among them (ignored)
+
+
+def v2_inputs(table) -> list[dict]:
+    """One tensor per column: ids and counts as numbers, lists as BYTES joined by '|', the price
+    as BYTES text (a CSV cell; '' where missing)."""
+    cols = table.to_pydict()
+    n = table.num_rows
+    return [
+        {"name": "user", "shape": [n], "datatype": "BYTES", "data": cols["user"]},
+        {"name": "item", "shape": [n], "datatype": "INT64", "data": cols["item"]},
+        {"name": "tags", "shape": [n], "datatype": "BYTES", "data": ["|".join(t) for t in cols["tags"]]},
+        {"name": "recent", "shape": [n], "datatype": "BYTES", "data": ["|".join(map(str, r)) for r in cols["recent"]]},
+        {"name": "price", "shape": [n], "datatype": "BYTES", "data": ["" if p is None else repr(p) for p in cols["price"]]},
+        {"name": "views", "shape": [n], "datatype": "INT64", "data": cols["views"]},
+        {"name": "clicked", "shape": [n], "datatype": "INT64", "data": cols["clicked"]},
+    ]
+
+
+@pytest.fixture(scope="module")
+def served(events, tmp_path_factory):
+    """One server of the events model with small limits, for the scoring and bad-input tests."""
+    server = Server(events / "model", tmp_path_factory.mktemp("served"), "--max_body_bytes", "200000",
+                    "--max_request_rows", "300", "--max_delay_ms", "5")  # fmt: skip
+    yield server
+    assert server.stop() == 0, server.text()[-3000:]
+
+
+def test_v1_and_v2_answers_equal_predict_on_parquet_rows(events, served, tmp_path):
+    day = events / "events" / "day_2.parquet"
+    table = pq.read_table(day)
+    assert table.column("price").null_count > 0 and any(len(t) == 0 for t in table.column("tags").to_pylist())
+    expected = predicted(events / "model", day, tmp_path)
+    assert len(expected) == table.num_rows == 600
+    v1, v2 = [], []
+    for lo in range(0, table.num_rows, 200):
+        part = table.slice(lo, 200)
+        status, headers, body = request(served.url + "/v1/models/m:predict", {"instances": v1_rows(part)})
+        assert status == 200, body
+        v1 += body["predictions"]
+        status, _, body = request(served.url + "/v2/models/m/infer", {"id": "r1", "inputs": v2_inputs(part)})
+        assert status == 200, body
+        assert body["id"] == "r1" and body["model_version"] == "model"
+        [out] = body["outputs"]
+        assert out["shape"] == [part.num_rows]
+        v2 += out["data"]
+    assert v1 == pytest.approx(expected, abs=1e-6)
+    assert v2 == pytest.approx(expected, abs=1e-6)
+    # An unseen user and tag score as predict scores them (the out-of-vocabulary rows).
+    row = dict(v1_rows(table.slice(0, 1))[0], user="someone-new", tags=["never-seen"])
+    status, _, body = request(served.url + "/v1/models/m:predict", {"instances": [row]})
+    pq.write_table(pa.Table.from_pylist([row], schema=table.schema), tmp_path / "new.parquet")
+    assert status == 200, body
+    assert body["predictions"] == pytest.approx(predicted(events / "model", tmp_path / "new.parquet", tmp_path), abs=1e-6)
+    # A row of missing values only (null in every column): scored as predict scores it.
+    empty = {k: None for k in row if k != "clicked"}  # predict scores rows without the label too
+    status, _, body = request(served.url + "/v1/models/m:predict", {"instances": [empty]})
+    unlabelled = table.schema.remove(table.schema.get_field_index("clicked"))
+    pq.write_table(pa.Table.from_pylist([empty], schema=unlabelled), tmp_path / "empty.parquet")
+    assert status == 200, body
+    assert body["predictions"] == pytest.approx(predicted(events / "model", tmp_path / "empty.parquet", tmp_path), abs=1e-6)
+    status, meta = get(served.url + "/v2/models/m")
+    assert status == 200 and meta["versions"] == ["model"]
+    assert sorted(i["name"] for i in meta["inputs"]) == sorted(COLUMNS)
+
+
+def test_a_criteo_model_takes_raw_criteo_fields(criteo, tmp_path):
+    lines = (criteo / "train.txt").read_text().splitlines()[:40]
+    (tmp_path / "rows.txt").write_text("\n".join(lines) + "\n")
+    expected = predicted(criteo / "model", tmp_path / "rows.txt", tmp_path)
+    rows = []
+    for line in lines:
+        fields = line.split("\t")
+        row = {f"int_{i}": int(v) if v else None for i, v in enumerate(fields[1:14])}
+        row.update({f"cat_{i}": v or None for i, v in enumerate(fields[14:])})
+        rows.append(dict(row, label=int(fields[0])))
+    assert any(v is None for r in rows for v in r.values())  # missing fields among them
+    server = Server(criteo / "model", tmp_path)
+    try:
+        status, _, body = request(server.url + "/v1/models/m:predict", {"instances": rows})
+        assert status == 200, body
+        assert body["predictions"] == pytest.approx(expected, abs=1e-6)
+        inputs = [{"name": name, "shape": [len(rows)], "datatype": "BYTES",
+                   "data": ["" if r[name] is None else str(r[name]) for r in rows]} for name in rows[0]]  # fmt: skip
+        status, _, body = request(server.url + "/v2/models/m/infer", {"inputs": inputs})
+        assert status == 200, body
+        assert body["outputs"][0]["data"] == pytest.approx(expected, abs=1e-6)
+        # The request docs/serving.md sends with curl, as written.
+        example = (REPO / "examples" / "serve" / "criteo_rows.json").read_bytes()
+        status, _, body = request(server.url + "/v1/models/m:predict", raw=example)
+        assert status == 200 and len(body["predictions"]) == 2 and all(0 < p < 1 for p in body["predictions"]), body
+        status, _, body = request(server.url + "/v1/models/m:predict", {"instances": [dict(rows[0], cat_3="xyz\t1")]})
+        assert status == 400 and "cat_3" in body["error"], body
+    finally:
+        assert server.stop() == 0
+
+
+def test_bad_requests_get_one_json_line_naming_the_column_or_limit(events, served):
+    row = v1_rows(pq.read_table(events / "events" / "day_2.parquet").slice(0, 1))[0]
+    url = served.url + "/v1/models/m:predict"
+    cases = [
+        (request(url, raw=b'{"instances": [{"user": '), 400, "not JSON"),
+        (request(url, {"rows": [row]}), 400, "instances"),
+        (request(url, {"instances": [dict(row, user={"id": 1})]}), 400, "user"),
+        (request(url, {"instances": [dict(row, views=True)]}), 400, "views"),
+        (request(url, {"instances": [dict(row, item="not-an-id")]}), 400, "item"),
+        (request(url, {"instances": [dict(row, price="cheap")]}), 400, "price"),
+        (request(url, {"instances": [{k: v for k, v in row.items() if k != "tags"}]}), 400, "tags"),
+        (request(url, {"instances": [row] * 301}), 413, "--max_request_rows"),
+        (request(url, raw=b'{"instances": [' + b" " * 200_001 + b"]}"), 413, "--max_body_bytes"),
+        (request(url, {"instances": []}), 400, "no rows"),
+        (request(served.url + "/v1/models/other:predict", {"instances": [row]}), 404, "other"),
+        (request(served.url + "/v2/models/m/infer", {"inputs": [{"name": c, "shape": [1], "datatype": "FP16",
+                                                                 "data": [1]} for c in COLUMNS]}), 400, "FP16"),  # fmt: skip
+        (request(served.url + "/v2/models/m/infer", {"inputs": v2_inputs(pq.read_table(events / "events" / "day_2.parquet")
+                                                                         .slice(0, 2))[1:]}), 400, "user"),  # fmt: skip
+        (request(served.url + "/v2/models/m/infer", {"inputs": [dict(t, datatype="INT64", data=[1, 2]) if t["name"] == "tags"
+                 else t for t in v2_inputs(pq.read_table(events / "events" / "day_2.parquet").slice(0, 2))]}), 400, "BYTES"),  # fmt: skip
+    ]
+    for (status, headers, body), code, named in cases:
+        assert status == code, (code, named, body)
+        assert isinstance(body, dict) and set(body) == {"error"} and named in body["error"], (named, body)
+        assert "\n" not in body["error"] and "Traceback" not in body["error"]
+    assert request(url, {"instances": [row]})[0] == 200  # still serving
+    assert "Traceback" not in served.text()
+    assert served.metric("torchrec_serve_errors_total") >= len(cases)
+    assert served.metric('torchrec_serve_requests_total{code="413",endpoint="v1"}') == 2
+    assert served.metric("torchrec_serve_batch_rows_count") > 0 and served.metric("torchrec_serve_batch_rows_sum") > 0
+    assert served.metric('torchrec_serve_request_seconds_count{endpoint="v1"}') >= len(cases)
+    assert served.metric("torchrec_serve_in_flight") == 0 and served.metric("torchrec_serve_queue_depth") == 0
+    assert served.metric('torchrec_serve_model_version{version="model"}') == 1
+    access = [line for line in served.text().splitlines() if line.startswith("access ")]
+    assert any(" POST /v1/models/m:predict 413 " in line for line in access), access[-5:]
+
+
+def test_a_full_queue_answers_503_at_once_and_sigterm_answers_what_it_holds(events, tmp_path):
+    """A batch that can never fill (256 rows, a wait longer than the test) holds the two
+    requests the queue has room for; the third is refused at once. SIGTERM then scores the
+    two, answers them and exits 0."""
+    rows = v1_rows(pq.read_table(events / "events" / "day_2.parquet").slice(0, 2))
+    server = Server(events / "model", tmp_path, "--max_queue", "2", "--max_delay_ms", "3600000", "--timeout_s", "3600")
+    answers: list = []
+    clients = [threading.Thread(target=lambda r=r: answers.append(request(server.url + "/v1/models/m:predict",
+                                                                          {"instances": [r]}))) for r in rows]  # fmt: skip
+    for c in clients:
+        c.start()
+    try:
+        server.wait_for(lambda: server.metric("torchrec_serve_queue_depth") == 2, "two queued requests")
+        status, headers, body = request(server.url + "/v2/models/m/infer",
+                                        {"inputs": v2_inputs(pq.read_table(events / "events" / "day_2.parquet").slice(0, 1))})  # fmt: skip
+        assert status == 503 and headers.get("retry-after") == "1" and "--max_queue" in body["error"], body
+        assert not answers  # the two are still held
+    finally:
+        rc = server.stop()
+    assert rc == 0, server.text()[-3000:]
+    for c in clients:
+        c.join(timeout=60)
+    assert sorted(a[0] for a in answers) == [200, 200], answers
+    expected = predicted(events / "model", events / "events" / "day_2.parquet", tmp_path)[:2]
+    assert sorted(a[2]["predictions"][0] for a in answers) == pytest.approx(sorted(expected), abs=1e-6)
+    assert "SIGTERM: not ready; answering 2 queued request(s)" in server.text()
+
+
+def test_a_request_not_scored_in_time_is_answered_504_and_leaves_the_queue(events, tmp_path):
+    """With a batch that never fills, a request waits out --timeout_s: 504, and its place in
+    the queue (one place here) is free again for the next one."""
+    rows = v1_rows(pq.read_table(events / "events" / "day_2.parquet").slice(0, 1))
+    server = Server(events / "model", tmp_path, "--max_queue", "1", "--max_delay_ms", "3600000", "--timeout_s", "0.5")
+    try:
+        for _ in range(2):
+            status, _, body = request(server.url + "/v1/models/m:predict", {"instances": rows})
+            assert status == 504 and "--timeout_s" in body["error"], body
+        assert server.metric("torchrec_serve_queue_depth") == 0
+    finally:
+        assert server.stop() == 0, server.text()[-3000:]
+
+
+def test_sigterm_under_load_answers_every_accepted_request_and_exits_0(events, tmp_path):
+    """Six clients, batches of 4 rows that wait for ever to fill: at any time at least two
+    requests are queued, so SIGTERM always finds some. Every request the server accepted (its
+    access log) is answered 200 to its client; the others were never accepted (the listener
+    closed: a connection error); the exit status is 0."""
+    rows = v1_rows(pq.read_table(events / "events" / "day_2.parquet").slice(0, 6))
+    server = Server(events / "model", tmp_path, "--max_batch_size", "4", "--max_delay_ms", "3600000",
+                    "--timeout_s", "3600")  # fmt: skip
+    got: list[int] = []
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def client(row: dict) -> None:
+        while not stop.is_set():
+            try:
+                status, _, body = request(server.url + "/v1/models/m:predict", {"instances": [row]})
+            except OSError as e:  # refused or closed before it was read: not accepted
+                errors.append(type(e).__name__)
+                return
+            got.append(status)
+
+    threads = [threading.Thread(target=client, args=(r,)) for r in rows]
+    for t in threads:
+        t.start()
+    server.wait_for(lambda: got.count(200) >= 12, "a few answered batches")
+    server.wait_for(lambda: server.metric("torchrec_serve_queue_depth") >= 2, "queued requests")
+    rc = server.stop()
+    stop.set()
+    for t in threads:
+        t.join(timeout=60)
+    log = server.text()
+    assert rc == 0, log[-3000:]
+    assert set(got) == {200}, got
+    accepted = sum(1 for line in log.splitlines() if line.startswith("access ") and ":predict 200" in line)
+    assert accepted == len(got), (accepted, len(got), errors)
+    assert "SIGTERM: not ready; answering" in log and "Traceback" not in log
+
+
+def publish(root: Path, model: Path, version: str) -> None:
+    """What `export --publish ROOT` does: the version folder, then ``current`` replaced atomically."""
+    shutil.copytree(model, root / version)
+    tmp = root / f".current.{version}"
+    tmp.write_text(version + "\n")
+    os.replace(tmp, root / "current")
+
+
+def test_versions_swap_under_load_and_a_broken_one_is_refused(events, criteo, tmp_path):
+    root = tmp_path / "published"
+    root.mkdir()
+    publish(root, events / "model", "v1")
+    rows_file = tmp_path / "rows.parquet"
+    pq.write_table(pq.read_table(events / "events" / "day_2.parquet").slice(0, 5), rows_file)
+    expected = {"v1": predicted(events / "model", rows_file, tmp_path),
+                "v2": predicted(events / "model_step3", rows_file, tmp_path)}  # fmt: skip
+    assert max(abs(a - b) for a, b in zip(expected["v1"], expected["v2"])) > 1e-4  # the versions differ
+    body = {"instances": v1_rows(pq.read_table(rows_file))}
+    server = Server(root, tmp_path, "--poll_s", "0.1", "--max_delay_ms", "2")
+    answers: list = []
+    failures: list = []
+    stop = threading.Event()
+
+    def client() -> None:
+        while not stop.is_set():
+            try:
+                status, headers, got = request(server.url + "/v1/models/m:predict", body)
+            except OSError as e:
+                failures.append(repr(e))
+                continue
+            (answers if status == 200 else failures).append((headers.get("x-model-version"), got))
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        server.wait_for(lambda: len(answers) >= 10, "answers from v1")
+        publish(root, events / "model_step3", "v2")
+        server.wait_for(lambda: get(server.url + "/v2/models/m")[1]["versions"] == ["v2"], "v2 swapped in")
+        seen = len(answers)
+        server.wait_for(lambda: len(answers) >= seen + 10, "answers from v2")
+        # A damaged version and one with other columns: refused, v2 keeps serving.
+        publish(root, events / "model", "v3")
+        scorer = root / "v3" / "scorer.pt"
+        scorer.write_bytes(scorer.read_bytes()[:1000])
+        server.wait_for(lambda: "refused version v3" in server.text(), "v3 refused")
+        publish(root, criteo / "model", "v4")
+        server.wait_for(lambda: "refused version v4" in server.text(), "v4 refused")
+        seen = len(answers)
+        server.wait_for(lambda: len(answers) >= seen + 10, "answers after the refusals")
+        assert get(server.url + "/v2/models/m")[1]["versions"] == ["v2"]
+        assert server.metric("torchrec_serve_versions_refused_total") == 2
+        assert server.metric("torchrec_serve_version_swaps_total") == 1
+        assert server.metric('torchrec_serve_model_version{version="v2"}') == 1
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        rc = server.stop()
+    log = server.text()
+    assert rc == 0 and not failures, (failures[:3], log[-3000:])
+    versions = [v for v, _ in answers]
+    assert set(versions) == {"v1", "v2"} and versions.index("v2") > 0
+    for version, got in answers:  # every answer all from one version
+        assert got["predictions"] == pytest.approx(expected[version], abs=1e-6), version
+    refused = [line for line in log.splitlines() if "refused version" in line]
+    assert len(refused) == 2 and all("still serving v2" in line for line in refused), refused
+    assert "scorer.pt" in refused[0] and "columns" in refused[1], refused
+
+
+def test_a_published_root_in_a_bucket_is_served_and_followed(events, s3_service, monkeypatch, tmp_path):
+    """MODEL as a bucket URL (storage.py): a published root on the S3 emulator, its versions
+    read from there, a new ``current`` followed."""
+    from torchrec_cloud import storage
+
+    for key, value in s3_service.env.items():
+        monkeypatch.setenv(key, value)
+    root = f"{s3_service.url}/published"
+    for version, model in (("v1", events / "model"), ("v2", events / "model_step3")):
+        for f in model.rglob("*"):
+            if f.is_file():
+                storage.write_bytes(storage.join(root, version, *f.relative_to(model).parts), f.read_bytes())
+    storage.write_bytes(storage.join(root, "current"), b"v1\n")
+    rows_file = tmp_path / "rows.parquet"
+    pq.write_table(pq.read_table(events / "events" / "day_2.parquet").slice(0, 3), rows_file)
+    body = {"instances": v1_rows(pq.read_table(rows_file))}
+    server = Server(root, tmp_path, "--poll_s", "0.2", env=s3_service.env)
+    try:
+        status, headers, got = request(server.url + "/v1/models/m:predict", body)
+        assert status == 200 and headers["x-model-version"] == "v1", got
+        assert got["predictions"] == pytest.approx(predicted(events / "model", rows_file, tmp_path), abs=1e-6)
+        storage.write_bytes(storage.join(root, "current"), b"v2\n")
+        server.wait_for(lambda: get(server.url + "/v2/models/m")[1]["versions"] == ["v2"], "v2 from the bucket")
+        status, headers, got = request(server.url + "/v1/models/m:predict", body)
+        assert status == 200 and headers["x-model-version"] == "v2", got
+        assert got["predictions"] == pytest.approx(predicted(events / "model_step3", rows_file, tmp_path), abs=1e-6)
+    finally:
+        assert server.stop() == 0, server.text()[-3000:]
+
+
+@pytest.mark.parametrize("current", [None, "../model\n", "/etc\n", "missing\n"])
+def test_what_is_no_model_is_refused_before_listening(tmp_path, capsys, current):
+    """A folder that holds no model, or a root whose ``current`` names a folder outside it or
+    none: one line, exit 1, nothing served."""
+    root = tmp_path / "root"
+    root.mkdir()
+    if current is not None:
+        (root / "current").write_text(current)
+    capsys.readouterr()
+    rc = main(["serve", str(root), "--port", str(free_port())])
+    err = capsys.readouterr().err
+    assert rc == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    if current is None:
+        assert "not a model directory" in err, err
+    elif current == "missing\n":
+        assert "missing" in err and "model_config.json" in err, err
+    else:
+        assert "not a name inside its folder" in err, err
