@@ -33,7 +33,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from torchrec_cloud import comm, compat, metrics
+from torchrec_cloud import comm, metrics
 from torchrec_cloud.metrics import run_folder
 from torchrec_cloud.build import Trainer, build
 from torchrec_cloud.checkpoint import Checkpointer, Position
@@ -43,7 +43,7 @@ from torchrec_cloud.distributed import Env, init_distributed, plan_summary
 from torchrec_cloud.evaluation import evaluate
 from torchrec_cloud.launch import EXIT_OK, EXIT_PREEMPTED, end_pod, report_finished, report_run
 from torchrec_cloud.metrics import MetricsSink
-from torchrec_cloud.precision import precision_context
+from torchrec_cloud.precision import pins_batches, precision_context
 from torchrec_cloud.preemption import Preemption, wait_for_lost_peer
 
 
@@ -93,7 +93,7 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
     intervals = (cfg.train.eval_every, cfg.checkpoint.checkpoint_interval)
     run_start = time.perf_counter()
     for epoch, first, last in (plan := Segments(position, cfg.train.num_epochs, batches_per_epoch, intervals)):
-        made = source.train_batches_ahead(epoch, first, workers, pin=env.device.type == "cuda")
+        made = source.train_batches_ahead(epoch, first, workers, pin=pins_batches(env.device))
         batches = agreed_batches(made, last - first, window, preemption, checkpoints)
         segment_start = step
         while True:
@@ -407,9 +407,6 @@ def _evaluate(trainer: Trainer, source: DataSource, split: str, step: int, epoch
     try:
         metrics = evaluate(model, trainer.optimizer, source, split, env.device, rows)
     finally:
-        # Scoring looked the rows up through the UVM caches, which lock them where the
-        # prefetch pipeline is on; only a backward unlocks them (compat.unlock_cache_rows).
-        compat.unlock_cache_rows(model)
         pipeline.attach(model)
     # The data's best AUC is known for the whole split, not for a sample of it.
     whole = metrics["rows"] == metrics["split_rows"]
