@@ -166,25 +166,47 @@ def _steps_from(trainer, batches) -> None:
 
 
 def inner_cache_unlocked() -> str:
+    """The lock counts of the cached tables' slots read inside an evaluation, before and after
+    each of its forwards: a slot still locked when the next evaluation batch starts was held
+    past its batch (fbgemm's inline prefetch locks, and only a backward unlocks)."""
     import torch
 
     from torchrec_cloud import compat
     from torchrec_cloud.metrics import MetricsSink
     from torchrec_cloud.train import _evaluate
 
-    cfg, env, trainer, source = _trainer(["--embedding_kernel", "fused_uvm_caching", "--prefetch_pipeline"])
+    cfg, env, trainer, source = _trainer(["--embedding_kernel", "fused_uvm_caching", "--prefetch_pipeline",
+                                          "--num_eval_batches", "16"])  # fmt: skip
     tbes = [m for m in compat.table_batched_modules(trainer.dmp) if m.lxu_cache_locking_counter.numel()]
     if not tbes or type(trainer.pipeline).__name__ != "PrefetchTrainPipelineSparseDist":
         raise CheckFailed(f"no cached table with prefetch_pipeline ({type(trainer.pipeline).__name__})")
     _steps(trainer, source, 0, 10)
     after_training = max(int(t.lxu_cache_locking_counter.max()) for t in tbes)
-    _evaluate(trainer, source, "val", 10, 0, env, MetricsSink(), {})
+    before, after = [], []  # slots locked, at each evaluation forward of a TBE
+
+    def locks(module) -> int:
+        return int((module.lxu_cache_locking_counter > 0).sum())
+
+    hooks = [h for t in tbes for h in (
+        t.register_forward_pre_hook(lambda m, args: before.append(locks(m)) if not m.training else None),
+        t.register_forward_hook(lambda m, args, out: after.append(locks(m)) if not m.training else None))]  # fmt: skip
+    try:
+        _evaluate(trainer, source, "val", 10, 0, env, MetricsSink(), {})
+    finally:
+        for h in hooks:
+            h.remove()
     after_eval = max(int(t.lxu_cache_locking_counter.max()) for t in tbes)
     _steps(trainer, source, 10, 10)  # the prefetch pipeline attached again
     torch.cuda.synchronize()
-    if after_training or after_eval:
-        raise CheckFailed(f"locked rows: {after_training} after training, {after_eval} after the evaluation")
-    return f"{len(tbes)} cached TBEs: no row locked after training or after an evaluation; 10 more steps trained"
+    forwards = len(before) // len(tbes)
+    if forwards < 8:
+        raise CheckFailed(f"only {forwards} evaluation forwards seen per TBE (16 batches scored)")
+    if after_training or max(before) or after_eval:
+        raise CheckFailed(f"locked slots: {after_training} after training; during the evaluation up to {max(before)} "
+                          f"locked when a batch started (held past the batch before), {max(after)} after a forward; "
+                          f"{after_eval} after it")  # fmt: skip
+    return (f"{len(tbes)} cached TBEs, {forwards} evaluation forwards each: no slot locked when a batch started or "
+            f"after one (at most {max(after)}), none after training or the evaluation; 10 more steps trained")
 
 
 def inner_host_lengths() -> str:

@@ -741,6 +741,32 @@ def test_a_profile_naming_an_unknown_collector_says_so(tmp_path):
         render_bundle(DeploySpec(cloud=str(profile), gpus_per_node=0))
 
 
+def test_a3_pods_get_no_gpudirect_tcpx_variable_without_the_host_network(capsys):
+    """GPUDirect-TCPX needs pods on the host network beside GKE's privileged tcpx daemon; no
+    bundle renders that (the restricted profile forbids it), so NCCL uses sockets on A3 and
+    no TCPX variable may say otherwise (issue #43)."""
+    from torchrec_cloud.cli import main
+
+    for launcher in sorted(LAUNCHER_TEMPLATES):
+        assert main(["render", "--cloud", "gcp", "--instance_type", "a3-highgpu-8g", "--launcher", launcher,
+                     "--nodes", "2"]) == 0  # fmt: skip
+        text = capsys.readouterr().out
+        host_network = [s for d in load_documents(text) for s in pod_specs(d) if s.get("hostNetwork") is True]
+        tcpx = sorted(set(re.findall(r"NCCL_GPUDIRECTTCPX_\w+", text)))
+        assert host_network or not tcpx, f"{launcher}: {tcpx} without hostNetwork: true"
+        assert "NCCL_SOCKET_IFNAME" in text, launcher  # the transport NCCL does use there
+
+
+def test_a_profile_that_sets_tcpx_variables_is_refused_naming_what_they_need(tmp_path):
+    from torchrec_cloud.deploy.profiles import ProfileError
+
+    profile = tmp_path / "mine.yaml"
+    profile.write_text(yaml.safe_dump({"name": "mine", "title": "Mine", "kubernetes": "K", "instances": {
+        "a3": {"gpus": 8, "env": {"NCCL_GPUDIRECTTCPX_UNIX_CLIENT_PREFIX": "/run/tcpx"}}}}))  # fmt: skip
+    with pytest.raises(ProfileError, match=r"instance 'a3' env sets NCCL_GPUDIRECTTCPX_UNIX_CLIENT_PREFIX.*hostNetwork"):
+        load_profile(str(profile))
+
+
 # -- render --job preprocess: data preprocess over an Indexed Job's pods ---------------------
 
 PREPROCESS = ["--schema", "/data/schema.yaml", "--input", "s3://bucket/events: 2024/", "gs://b/day #2.csv",

@@ -364,6 +364,38 @@ def test_managed_targets_name_their_own_url_schemes(capsys):
     assert "s3://" not in str(e.value)
 
 
+def test_azure_ml_writes_a_blob_container_with_the_jobs_managed_identity(capsys, monkeypatch):
+    """az:// on Azure ML (issue #43): the trainer writes it itself (adlfs, DefaultAzureCredential)
+    with the job's user-assigned managed identity, which AZURE_CLIENT_ID names, in the storage
+    account AZURE_STORAGE_ACCOUNT_NAME names where `submit` runs; without either, one line says
+    which is missing, and never that the bucket would not outlive the node."""
+    from torchrec_cloud.cli import main
+
+    submit = ["submit", "--target", "azureml", "--cloud", "azure", "--nodes", "2", "--dry-run", "--spot",
+              "--checkpoint_url", "az://checkpoints/run1"]  # fmt: skip
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "torchrecstore")
+    assert main([*submit, "--identity", "client-id-1"]) == 0
+    out, err = capsys.readouterr()
+    d = yaml.safe_load(out)
+    assert "--checkpoint_path az://checkpoints/run1" in d["command"] and "checkpoints" not in (d.get("outputs") or {})
+    assert d["identity"] == {"type": "managed_identity", "client_id": "client-id-1"}
+    env = d["environment_variables"]
+    assert env["AZURE_CLIENT_ID"] == "client-id-1" and env["AZURE_STORAGE_ACCOUNT_NAME"] == "torchrecstore"
+    assert SPOT_FLAGS in d["command"] and env[GRACE] == "30"
+
+    assert main(submit) == 2  # no identity to write it with
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "--identity" in line and "Storage Blob Data Contributor" in line and "outlive" not in line, line
+    for account in (None, "Not An Account"):
+        if account is None:
+            monkeypatch.delenv("AZURE_STORAGE_ACCOUNT_NAME")
+        else:
+            monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", account)
+        assert main([*submit, "--identity", "client-id-1"]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert "--checkpoint_url" in line and "AZURE_STORAGE_ACCOUNT_NAME" in line and "outlive" not in line, line
+
+
 def test_vertex_refuses_what_its_api_refuses(capsys):
     from torchrec_cloud.cli import main
 

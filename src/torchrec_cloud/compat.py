@@ -28,6 +28,7 @@ Two kinds of entries:
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import hashlib
 import importlib
@@ -37,7 +38,7 @@ import linecache
 import textwrap
 import tokenize
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from torchrec_cloud.errors import CommandError
 
@@ -242,7 +243,7 @@ PRIVATE: tuple[Private, ...] = (
         "fbgemm_gpu.split_embedding_codegen_lookup_invokers.lookup_rowwise_adagrad.invoke, "
         "the TBE's placeholder_autograd_tensor, ShardedEmbeddingBagCollection._lookups",
         "speedups/rowwise_adagrad.py install: wraps the invoker, routes our TBEs' CPU lookups (the TBEs found by "
-        "compat.table_batched_modules, which train.py's compat.unlock_cache_rows reads too)",
+        "compat.table_batched_modules, which evaluation.py's compat.cache_rows_not_locked reads too)",
         _all_of(_has("fbgemm_gpu.split_embedding_codegen_lookup_invokers.lookup_rowwise_adagrad", "invoke"),
                 _assigned_in("torchrec.distributed.embeddingbag.ShardedEmbeddingBagCollection.__init__", "_lookups"),
                 _assigned_in("fbgemm_gpu.split_table_batched_embeddings_ops_training.SplitTableBatchedEmbeddingBagsCodegen.__init__",
@@ -311,12 +312,10 @@ PRIVATE: tuple[Private, ...] = (
                 _has("torch.distributed.checkpoint._fsspec_filesystem.FileSystem", "create_stream", "rename")),
     ),
     Private(
-        "fbgemm SplitTableBatchedEmbeddingBagsCodegen cache-lock state (lock_cache_line, lxu_cache_locking_counter, "
-        "lxu_cache_locations_list, timesteps_prefetched)",
-        "train.py _evaluate (compat.unlock_cache_rows): the UVM cache rows an evaluation locked, unlocked",
+        "fbgemm SplitTableBatchedEmbeddingBagsCodegen.lock_cache_line, read by _prefetch",
+        "evaluation.py evaluate (compat.cache_rows_not_locked): an evaluation's lookups lock no UVM cache row",
         _all_of(_assigned_in(f"{_TBE}.__init__", "lock_cache_line"),
-                _assigned_in(f"{_TBE}._apply_cache_state", "lxu_cache_locations_list", "timesteps_prefetched"),
-                _registers(f"{_TBE}._init_uvm_cache_counter", "lxu_cache_locking_counter")),
+                _pinned(**{f"{_TBE}._prefetch": "a7f00d3071f83611"})),
     ),
     Private(
         "fbgemm SplitTableBatchedEmbeddingBagsCodegen UVM cache counters (gather_uvm_cache_stats, "
@@ -489,29 +488,34 @@ def table_batched_modules(model: Any) -> list:
     return [m for m in found.values() if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen)]
 
 
-def unlock_cache_rows(model: Any) -> int:
-    """Unlock every UVM cache row of ``model``'s tables that no training batch holds; call it
-    with no batch in flight (the training pipeline drained). Returns how many of fbgemm's
-    table-batched modules (TBEs) lock rows.
+@contextlib.contextmanager
+def cache_rows_not_locked(model: Any) -> Iterator[int]:
+    """Within: ``model``'s tables look rows up through their UVM caches without locking the
+    cache slots they fill; yields how many of fbgemm's table-batched modules (TBEs) would
+    have locked them. Enter it with no training batch in flight (the pipeline drained).
 
-    A TBE built with ``prefetch_pipeline`` (``--prefetch_pipeline``) sets ``lock_cache_line``:
-    each prefetch raises the lock count of the cache slots it fills, and only the backward
-    pre-hook of the batch that used them lowers it (fbgemm-gpu 1.8.0
-    ``split_table_batched_embeddings_ops_training.py``: ``_prefetch`` through
-    ``lru_cache_populate``, ``_update_cache_counter_and_locations``). A forward without a
-    prefetch (evaluation) prefetches inline and has no backward, so its slots would stay
-    locked for good and training would read its misses from host memory. This is the reset
-    of TorchRec's ``memory_stashing.py`` (torchrec 1.8.0, ``restore``: prefetch lists
-    cleared, ``lxu_cache_locking_counter`` zeroed), without its cache invalidation: an
-    evaluation changes no row, so the cached rows stay valid."""
-    count = 0
-    for module in table_batched_modules(model):
-        if getattr(module, "lock_cache_line", False):
-            module.lxu_cache_locking_counter.zero_()
-            module.lxu_cache_locations_list.clear()
-            module.timesteps_prefetched.clear()
-            count += 1
-    return count
+    A TBE built with ``prefetch_pipeline`` (``--prefetch_pipeline``) sets ``lock_cache_line``,
+    and every ``_prefetch`` hands it to ``lru_cache_populate``, which raises the lock count of
+    the slots the batch uses; only the backward pre-hook of that batch lowers it again
+    (fbgemm-gpu 1.8.0 ``split_table_batched_embeddings_ops_training.py``: ``_prefetch``,
+    ``_update_cache_counter_and_locations``, ``lxu_cache_locking_counter_decrement``). An
+    evaluation's forward has no prefetch before it, so it prefetches inline (``forward``:
+    ``if len(self.timesteps_prefetched) == 0``) and has no backward: with the lock on, every
+    slot it touched would stay locked for the rest of the evaluation, new ids could not enter
+    the cache, and the rest would be read over PCIe. With the lock off, the inline prefetch is
+    that of a TBE without the prefetch pipeline: the LRU insert never evicts a slot the batch
+    being looked up holds, since those carry the current timestep (fbgemm
+    ``src/split_embeddings_cache/lru_cache_populate.cu``, ``lru_cache_insert_kernel``: it
+    stops at a slot whose time is ``time_stamp``), which is all a lock buys a forward that has
+    no backward; and since nothing locked, nothing is left to unlock."""
+    locking = [m for m in table_batched_modules(model) if getattr(m, "lock_cache_line", False)]
+    for module in locking:
+        module.lock_cache_line = False
+    try:
+        yield len(locking)
+    finally:
+        for module in locking:
+            module.lock_cache_line = True
 
 
 def _caching_modules(model: Any) -> list:

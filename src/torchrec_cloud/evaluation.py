@@ -11,7 +11,16 @@ training pipeline must be detached first, and attached again after (``train._eva
 
 Scores are float32 logits whatever the training step's precision: under bf16 autocast the
 last layer's output would be rounded to bf16 (8 bits of mantissa), and the many ties it makes
-would lower the AUC. Float32 scoring is also what an exported model does (``serving``).
+would lower the AUC; under ``--precision tf32`` a matmul's inputs would be rounded to 10 bits
+of mantissa. Autocast and TF32 are off while scoring and TF32 is as it was after
+(``precision.float32_scoring``). Float32 scoring is also what an exported model does
+(``serving``). Batches are pinned where the training step's are (``precision.pins_batches``),
+so the pipeline's ``non_blocking`` copies to the GPU are asynchronous.
+
+Under ``--prefetch_pipeline`` the tables' UVM caches lock the slots a lookup fills until its
+batch's backward; an evaluation has none, so its lookups lock nothing
+(``compat.cache_rows_not_locked``): no cache row stays locked past its batch, and new ids
+keep entering the cache for the whole evaluation.
 
 The metrics are computed without gathering the split anywhere (criteo-1tb's validation
 day is ~89M rows). Log loss and the label counts are sums. AUC is exact, by a distributed
@@ -37,8 +46,9 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from torchrec_cloud import comm
+from torchrec_cloud import comm, compat
 from torchrec_cloud.data import DataSource
+from torchrec_cloud.precision import float32_scoring, pins_batches
 
 # Candidates per rank for the score boundaries: enough for even ranges on a few ranks,
 # a bounded total (about 64K scores) on many.
@@ -135,27 +145,31 @@ def evaluate(
     split: str,
     device: torch.device,
     rows: Optional[int] = None,
+    pin: Optional[bool] = None,
 ) -> dict[str, Any]:
     """Score ``split`` (or a sample of ``rows`` of its rows: ``DataSource.eval_batches``)
-    with ``model`` (a DMP around a DLRMTrain, detached from its training pipeline) and
-    return its metrics, ``seconds`` and ``split_rows`` (the whole split's). Collective."""
+    with ``model`` (a DMP around a DLRMTrain, detached from its training pipeline, none of
+    its batches in flight) and return its metrics, ``seconds`` and ``split_rows`` (the whole
+    split's). ``pin``: page-lock each batch (default: where training does,
+    ``precision.pins_batches``). Collective."""
     from torchrec.distributed.train_pipeline import EvalPipelineSparseDist
 
     was_training = model.training
     model.eval()
     start = time.perf_counter()
     valid: collections.deque[int] = collections.deque()
+    pin = pins_batches(device) if pin is None else pin
 
-    def batches() -> Iterator[Any]:
+    def batches() -> Iterator[Any]:  # read by the pipeline's loading thread
         for batch, n in source.eval_batches(split, rows):
             valid.append(n)  # read in order: the pipeline returns outputs in batch order
-            yield batch
+            yield batch.pin_memory() if pin else batch
 
     pipeline = EvalPipelineSparseDist(model, optimizer, device)  # the optimizer is never stepped
     logits_parts, label_parts = [], []
     it = batches()
     try:
-        with torch.autocast(device.type, enabled=False):
+        with float32_scoring(device), compat.cache_rows_not_locked(model):
             while True:
                 try:
                     _, logits, labels = pipeline.progress(it)

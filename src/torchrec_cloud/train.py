@@ -33,17 +33,18 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from torchrec_cloud import comm, compat, metrics
+from torchrec_cloud import comm, metrics
 from torchrec_cloud.metrics import run_folder
 from torchrec_cloud.build import Trainer, build
 from torchrec_cloud.checkpoint import Checkpointer, Position
 from torchrec_cloud.config import ConfigError, JobConfig, add_config_flags, config_from_args
 from torchrec_cloud.data import DataSource, build_data_source, with_dataset_features
+from torchrec_cloud.data.prefetch import EpochsAhead, TrainFeed
 from torchrec_cloud.distributed import Env, init_distributed, plan_summary
 from torchrec_cloud.evaluation import evaluate
 from torchrec_cloud.launch import EXIT_OK, EXIT_PREEMPTED, end_pod, report_finished, report_run
 from torchrec_cloud.metrics import MetricsSink
-from torchrec_cloud.precision import precision_context
+from torchrec_cloud.precision import pins_batches, precision_context
 from torchrec_cloud.preemption import Preemption, wait_for_lost_peer
 
 
@@ -92,8 +93,10 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
     val_step = -1  # the step at which the whole validation split was last scored
     intervals = (cfg.train.eval_every, cfg.checkpoint.checkpoint_interval)
     run_start = time.perf_counter()
+    # One stream of batches for the run: its worker processes persist from segment to segment.
+    feed = TrainFeed(_train_stream(source, cfg.train.num_epochs, workers, pins_batches(env.device)), batches_per_epoch)
     for epoch, first, last in (plan := Segments(position, cfg.train.num_epochs, batches_per_epoch, intervals)):
-        made = source.train_batches_ahead(epoch, first, workers, pin=env.device.type == "cuda")
+        made = feed.segment(epoch, first, last)
         batches = agreed_batches(made, last - first, window, preemption, checkpoints)
         segment_start = step
         while True:
@@ -112,7 +115,6 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
                 record = window.record(step, epoch, env, scheduler.current_lr())
                 bar.set_postfix(loss=f"{record['loss']:.4f}", sps=f"{record['samples_per_s']:.0f}")
                 sink.log(record)
-        made.close()  # stops the prefetch thread when the segment ended before the data
         done = first + step - segment_start
         if done < last and not (preemption.stop or checkpoints.cut):
             done = batches_per_epoch  # a rank ran out of batches: the epoch ends on every rank
@@ -131,6 +133,7 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
             checkpoints.save(position, dmp, optimizer, scheduler)
         checkpoints.poll()
     bar.close()
+    feed.close()  # the data workers end here
     train_seconds = time.perf_counter() - run_start
     trained_steps = step - start_step
 
@@ -213,6 +216,14 @@ def _data_workers(cfg: JobConfig, env: Env) -> int:
     if cfg.data.data_workers is not None:
         return cfg.data.data_workers
     return min(16, max(1, torch.get_num_threads() - 2)) if env.device.type == "cuda" else 0
+
+
+def _train_stream(source: DataSource, num_epochs: int, workers: int, pin: bool) -> Any:
+    """``source``'s stream of training batches for the run (``DataSource.train_stream``; a
+    source that does not name ``DataSource`` as its base gets the default)."""
+    if hasattr(source, "train_stream"):
+        return source.train_stream(num_epochs, workers, pin)
+    return EpochsAhead(source, num_epochs, workers, pin)
 
 
 def build_sinks(cfg: JobConfig, env: Env, train_lines: bool = True) -> MetricsSink:
@@ -407,9 +418,6 @@ def _evaluate(trainer: Trainer, source: DataSource, split: str, step: int, epoch
     try:
         metrics = evaluate(model, trainer.optimizer, source, split, env.device, rows)
     finally:
-        # Scoring looked the rows up through the UVM caches, which lock them where the
-        # prefetch pipeline is on; only a backward unlocks them (compat.unlock_cache_rows).
-        compat.unlock_cache_rows(model)
         pipeline.attach(model)
     # The data's best AUC is known for the whole split, not for a sample of it.
     whole = metrics["rows"] == metrics["split_rows"]

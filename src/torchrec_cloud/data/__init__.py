@@ -29,7 +29,8 @@ Where batches come from, by concept (modules of this package):
 - ``criteo_gen``: Criteo-format TSV with a planted signal, for tests and benchmarks;
 - ``multihot``: MLPerf DCNv2's multi-hot bags (``--multi_hot_sizes``);
 - ``hashing``: the deterministic hashes behind the teacher and the bags;
-- ``prefetch``: batches made ahead by a background thread.
+- ``prefetch``: batches made ahead by a background thread; a run's training batches as one
+  stream, segment by segment (``TrainFeed``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol, Sequence
 
 from torchrec_cloud.config import ConfigError, JobConfig
-from torchrec_cloud.data.prefetch import prefetched
+from torchrec_cloud.data.prefetch import EpochsAhead, prefetched
 
 if TYPE_CHECKING:  # the package imports without torch: preprocessing and `data schema` need none
     import torch
@@ -50,7 +51,7 @@ SPLITS = ("train", "val", "test")
 class DataSource(Protocol):
     """What the training loop reads. Every rank must return the same counts.
 
-    A source implements the first four methods; the last two have defaults that a source
+    A source implements the first four methods; the last three have defaults that a source
     may override (a class that names ``DataSource`` as its base inherits them).
     """
 
@@ -77,6 +78,13 @@ class DataSource(Protocol):
         thread here), ``pin``-ned for an asynchronous copy to a GPU; with 0, each batch is
         made when the step asks for it. Closing the generator stops whatever makes them."""
         yield from prefetched(self.train_batches(epoch, start_batch), 2 if workers else 0, pin)
+
+    def train_stream(self, num_epochs: int, workers: int, pin: bool) -> Any:
+        """The run's training batches as one stream, for ``prefetch.TrainFeed``: ``open(epoch,
+        first)`` iterates ``(epoch, index, batch)`` from batch ``first`` of ``epoch`` to the end
+        of epoch ``num_epochs - 1``, ``close()`` stops what makes them. By default the epochs'
+        ``train_batches_ahead`` one after another."""
+        return EpochsAhead(self, num_epochs, workers, pin)
 
     def facts(self) -> dict[str, Any]:
         """What the run's ``start`` record says about the data (nothing by default)."""

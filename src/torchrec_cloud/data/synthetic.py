@@ -184,6 +184,14 @@ class SyntheticSource(DataSource):
         else:
             yield from super().train_batches_ahead(epoch, start_batch, workers, pin)
 
+    def train_stream(self, num_epochs: int, workers: int, pin: bool) -> Any:
+        """With ``workers``, one DataLoader for the run whose worker processes persist from
+        segment to segment (``_RunLoader``), as long as batches are still made by index;
+        otherwise as any other source."""
+        if workers and self.makes_batches_by_index():
+            return _RunLoader(self, num_epochs, workers, pin)
+        return super().train_stream(num_epochs, workers, pin)
+
     def num_eval_rows(self, split: str) -> int:
         return self.num_eval_batches * self.batch_size
 
@@ -227,6 +235,55 @@ class _TrainBatches(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> Batch:
         return self.source.make_batch("train", self.indices[i])
+
+
+class _RunIndices(torch.utils.data.Sampler):
+    """``(epoch, index in the epoch, global batch index)`` from where the run (re)starts to its
+    last epoch, read by the DataLoader in the rank's process; its workers make each batch."""
+
+    def __init__(self, source: SyntheticSource, num_epochs: int) -> None:
+        self.source, self.num_epochs, self.start = source, num_epochs, (0, 0)
+
+    def __iter__(self) -> Iterator[tuple[int, int, int]]:
+        epoch, first = self.start
+        for e in range(epoch, self.num_epochs):
+            start = first if e == epoch else 0
+            for i, index in enumerate(self.source.train_indices(e, start), start):
+                yield e, i, index
+
+
+class _RunBatches(torch.utils.data.Dataset):
+    def __init__(self, source: SyntheticSource) -> None:
+        self.source = source
+
+    def __getitem__(self, key: tuple[int, int, int]) -> tuple[int, int, Batch]:
+        epoch, i, index = key
+        return epoch, i, self.source.make_batch("train", index)
+
+
+class _RunLoader:
+    """The run's training batches from one DataLoader whose ``workers`` processes are forked
+    once and persist (``persistent_workers``): opening it again where a segment cut short
+    left off resets its iterator (torch's ``_MultiProcessingDataLoaderIter._reset`` through
+    ``DataLoader.__iter__``) and keeps the processes. They end with ``close``."""
+
+    def __init__(self, source: SyntheticSource, num_epochs: int, workers: int, pin: bool) -> None:
+        from torchrec_cloud.preemption import shield_data_worker
+
+        self.sampler = _RunIndices(source, num_epochs)
+        self.loader: Optional[torch.utils.data.DataLoader] = torch.utils.data.DataLoader(
+            _RunBatches(source), batch_size=None, sampler=self.sampler, num_workers=workers, pin_memory=pin,
+            prefetch_factor=2, persistent_workers=True, worker_init_fn=shield_data_worker,
+        )  # fmt: skip
+
+    def open(self, epoch: int, first: int) -> Iterator[tuple[int, int, Batch]]:
+        assert self.loader is not None, "opened after close"
+        self.sampler.start = (epoch, first)
+        for e, i, batch in self.loader:  # pinned, a tuple comes back as a list
+            yield e, i, batch
+
+    def close(self) -> None:
+        self.loader = None  # its iterator, the last reference to the workers, shuts them down
 
 
 def _one_hot_kjt(keys: list[str], ids: torch.Tensor) -> KeyedJaggedTensor:

@@ -19,7 +19,11 @@ names a cluster, which must then be a low-priority one. Checkpoints go to a data
 (``--checkpoint_url azureml://datastores/NAME/paths/PATH``), mounted read-write on every
 node as the job's output ``checkpoints`` (``Output(mode="rw_mount")``) and reached with the
 job's identity (``--identity``: a user-assigned managed identity's client id) where the
-datastore keeps no credentials; a spot job also checkpoints on a clock (deploy/managed.py).
+datastore keeps no credentials. Or to a blob container (``--checkpoint_url az://CONTAINER/PATH``),
+which the trainer writes itself with that identity (``--identity`` is then required: it needs
+Storage Blob Data Contributor on the account, and to be assigned to the compute cluster), in
+the storage account ``AZURE_STORAGE_ACCOUNT_NAME`` names where ``submit`` runs (passed to
+the job with ``AZURE_CLIENT_ID``). A spot job also checkpoints on a clock (deploy/managed.py).
 
 ``pip install -e '.[azure]'`` brings azure-ai-ml and azure-identity.
 """
@@ -33,7 +37,14 @@ from typing import Any, Optional
 
 import yaml
 
-from torchrec_cloud.deploy.managed import check_checkpoint_url, environment, managed_service, trainer_args
+from torchrec_cloud.deploy.managed import (
+    check_checkpoint_url,
+    checkpoint_environment,
+    environment,
+    managed_service,
+    trainer_args,
+    trainer_writes,
+)
 from torchrec_cloud.deploy.manifests import build_context
 from torchrec_cloud.deploy.profiles import load_profile
 from torchrec_cloud.deploy.spec import DeploySpec, MissingExtraError
@@ -95,7 +106,8 @@ def build_command_job(spec: DeploySpec, compute: Optional[str] = None, experimen
     service = managed_service(load_profile(spec.cloud))
     check_checkpoint_url(spec, service)
     outputs = {}
-    if spec.checkpoint_url:
+    checkpoint_env = checkpoint_environment(spec, service)
+    if spec.checkpoint_url and not trainer_writes(spec, service):
         outputs[CHECKPOINT_OUTPUT] = Output(type="uri_folder", path=spec.checkpoint_url, mode="rw_mount")
         spec = dataclasses.replace(spec, checkpoint_url="${{outputs.%s}}" % CHECKPOINT_OUTPUT)
     spec = dataclasses.replace(spec, storage=False)  # Azure ML mounts data through inputs, not the AKS volume
@@ -115,7 +127,7 @@ def build_command_job(spec: DeploySpec, compute: Optional[str] = None, experimen
         instance_count=spec.nodes,
         distribution=PyTorchDistribution(process_count_per_instance=1),
         shm_size=_docker_size(spec.shm_size or ctx["profile"].shm_size),
-        environment_variables=environment(spec, service, ctx),
+        environment_variables={**environment(spec, service, ctx), **checkpoint_env},
         outputs=outputs,
         identity=ManagedIdentityConfiguration(client_id=spec.identity) if spec.identity else None,
         display_name=spec.name,

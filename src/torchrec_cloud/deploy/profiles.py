@@ -204,6 +204,26 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# Variables read only by a network plugin that runs beside pods on the host network, which no
+# manifest here renders (the restricted Pod Security Standard every bundle meets forbids
+# hostNetwork and privileged containers: docs/security.md). GKE's GPUDirect-TCPX needs pods
+# with hostNetwork: true, the privileged tcpx daemon beside them and the plugin's mounts
+# (/usr/local/tcpx, /run/tcpx; Google's A3 guide); without them NCCL uses sockets and these
+# variables only say otherwise.
+HOST_NETWORK_ENV = ("NCCL_GPUDIRECTTCPX_",)
+
+
+def _no_host_network_env(name: str, env: dict[str, Any], instances: dict[str, Instance]) -> None:
+    for where, names in (("env", env), *((f"instance {i!r} env", inst.env) for i, inst in instances.items())):
+        bad = sorted(k for k in names if k.startswith(HOST_NETWORK_ENV))
+        if bad:
+            raise ProfileError(
+                f"{PROFILE_DIR}/{name}.yaml: {where} sets {', '.join(bad)}: GPUDirect-TCPX needs pods on the host "
+                "network (hostNetwork: true) beside GKE's privileged tcpx daemon, which these manifests do not "
+                "render; NCCL would use sockets whatever they say (docs/deploy.md, \"NCCL transports\")"
+            )
+
+
 def load_profile(name: str) -> Profile:
     """Load ``profiles/<name>.yaml`` (or a path ending in ``.yaml``) over ``profiles/base.yaml``."""
     data = _merge(_read("base"), _read(name))
@@ -223,6 +243,7 @@ def load_profile(name: str) -> Profile:
             )
         instances[inst_name] = Instance(name=inst_name, **inst)
     data["instances"] = instances
+    _no_host_network_env(name, data.get("env") or {}, instances)
     try:
         return Profile(**data)
     except TypeError as e:
