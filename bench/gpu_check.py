@@ -16,8 +16,8 @@ failed but some could not run here. The CPU tests hold each path's control flow
   or ``fused_uvm_caching`` with ``--prefetch_pipeline``, DataLoader workers (the GPU
   default); SIGTERM to the launcher: exit 200 with a checkpoint; the same command again
   resumes, finishes with exit 0, and learns the signal;
-- ``cache_unlocked``: after an evaluation under the prefetch pipeline no UVM cache row stays
-  locked, and training goes on;
+- ``cache_unlocked``: during an evaluation under the prefetch pipeline (16 batches) no UVM
+  cache slot stays locked from one batch to the next, and training goes on;
 - ``host_lengths``: the input dist copies nothing back from the GPU for our batches (one
   copy per batch without host-side ``length_per_key``);
 - ``rng_devices``: a checkpoint saved on 1 GPU resumes on a CPU, and one saved on a CPU
