@@ -396,7 +396,10 @@ def _bound_for(values: pa.Array, bound: Any) -> Any:
     if isinstance(bound, (int, float)) and not isinstance(bound, bool):
         return float(bound)
     if pa.types.is_integer(t) or pa.types.is_floating(t):
-        return float(bound)
+        try:
+            return float(bound)
+        except ValueError:
+            raise ValueError(f"the split's bound {shown(repr(bound))} cannot be compared with a column of {t}: give a number") from None
     if pa.types.is_timestamp(t) or pa.types.is_date(t):
         text = pa.scalar(str(bound))
         try:
