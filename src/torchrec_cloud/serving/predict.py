@@ -198,6 +198,8 @@ def predict(
         source = RawRows(config, model_dir, input, batch_size, cfg, on_bad_line)
         labelled, split = source.labelled, "file"
     else:
+        if on_bad_line != "error":
+            raise ConfigError("on_bad_line", "applies to Parquet or CSV rows of a model trained on a schema's dataset")
         cfg.data.dataset_path = input if input is not None else dataset_path
         source = eval_source(cfg, batch_size, split)
     if isinstance(source, CriteoTSV):
@@ -333,8 +335,6 @@ def _main(ns: argparse.Namespace) -> int:
         raise ConfigError("batch_size", f"must be > 0, got {ns.batch_size}")
     if (ns.input is None) == (ns.dataset_path is None):
         raise ConfigError("input", "give --input FILE (raw rows) or --dataset_path (preprocessed shards), one of them")
-    if ns.on_bad_line != "error" and ns.input is None:
-        raise ConfigError("on_bad_line", "applies to --input (raw rows) only: shards hold no bad rows")
     result = predict(ns.model_dir, ns.dataset_path, ns.split, ns.output, ns.batch_size, not ns.no_progress, ns.input,
                      ns.on_bad_line)  # fmt: skip
     if ns.json:
