@@ -184,6 +184,11 @@ def test_a_column_name_cannot_inject_schema_keys(tmp_path, capsys):
     assert "\x1b" not in text + out + err and "meta\\nlabel: {column: views" in text
     schema = load_schema(str(tmp_path / "s.yaml"))
     assert schema.label.column == "clicked" and schema.label.threshold is None
+    # No label found: the proposal goes to the terminal, names and all.
+    pq.write_table(pq.read_table(tmp_path / "f.parquet").drop_columns(["clicked"]), tmp_path / "g.parquet")
+    rc, out, err = cli(capsys, "data", "schema", "--input", str(tmp_path / "g.parquet"))
+    assert rc == 0 and "CHANGE_ME" in out, err
+    assert "\x1b" not in out + err and "\\x1b[31mred" in out
 
 
 def test_a_schema_with_a_key_given_twice_is_refused(small, capsys):

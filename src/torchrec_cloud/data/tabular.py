@@ -300,9 +300,9 @@ class Input:
         lists = {f.column for f in self.schema.sparse if f.list}
         for name in table.column_names:
             for rows, why in _over_caps(_chunks(table.column(name)), self.caps, name in lists):
-                for r in rows:
+                for k, r in enumerate(rows):
                     if not over[r]:
-                        reasons[int(r)] = f"column {shown(name)}: {why}"
+                        reasons[int(r)] = f"column {shown(name)}: {why(k)}"
                 over[rows] = True
         if not over.any():
             return table
@@ -394,20 +394,21 @@ def _byte_lengths(arr: pa.Array) -> Optional[np.ndarray]:
     return None
 
 
-def _over_caps(arr: pa.Array, caps: Caps, text_list: bool) -> list[tuple[np.ndarray, str]]:
-    """Rows of ``arr`` over a cap, and why, from its offsets and lengths only."""
+def _over_caps(arr: pa.Array, caps: Caps, text_list: bool) -> list[tuple[np.ndarray, Any]]:
+    """Rows of ``arr`` over a cap, and why (of the k-th of them), from its offsets and lengths only."""
     out = []
     if _is_list(arr.type):
         lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False)
         rows = np.flatnonzero(lengths > caps.max_list_length)
         if len(rows):
-            out.append((rows, f"a list of {int(lengths[rows[0]])} ids, more than --max_list_length {caps.max_list_length}"))
+            out.append((rows, lambda k, rows=rows: f"a list of {int(lengths[rows[k]])} ids, more than --max_list_length {caps.max_list_length}"))
         element = _byte_lengths(pc.list_flatten(arr))
         if element is not None and len(element):
             long = np.flatnonzero(element > caps.max_id_bytes)
             if len(long):
                 parents = pc.list_parent_indices(arr).to_numpy(zero_copy_only=False)[long]
-                out.append((np.unique(parents), f"an id of {int(element[long[0]])} bytes in its list, more than "
+                rows, first = np.unique(parents, return_index=True)
+                out.append((rows, lambda k: f"an id of {int(element[long[first[k]]])} bytes in its list, more than "
                             f"--max_id_bytes {caps.max_id_bytes}"))  # fmt: skip
         return out
     lengths = _byte_lengths(arr)
@@ -416,5 +417,5 @@ def _over_caps(arr: pa.Array, caps: Caps, text_list: bool) -> list[tuple[np.ndar
         rows = np.flatnonzero(lengths > cap)
         if len(rows):
             flag = "--max_list_length x (--max_id_bytes + 1)" if text_list else "--max_id_bytes"
-            out.append((rows, f"a value of {int(lengths[rows[0]])} bytes, more than {flag} {cap}"))
+            out.append((rows, lambda k: f"a value of {int(lengths[rows[k]])} bytes, more than {flag} {cap}"))
     return out
