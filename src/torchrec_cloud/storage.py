@@ -245,7 +245,16 @@ def read_bytes(path: str, start: Optional[int] = None, end: Optional[int] = None
                     f.seek(start)
                 if end is None:
                     return f.read()
-                return f.read(end - (start or 0))
+                # In pieces: read(n) sets n bytes aside first, and a cap (2 GiB for a
+                # vocabulary) is far more than most files hold.
+                left, parts = end - (start or 0), []
+                while left > 0:
+                    piece = f.read(min(left, 64 << 20))
+                    if not piece:
+                        break
+                    parts.append(piece)
+                    left -= len(piece)
+                return b"".join(parts)
         fs, p = filesystem(path)
         return fs.cat_file(p, start=start, end=end)
 

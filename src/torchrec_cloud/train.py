@@ -41,6 +41,7 @@ from torchrec_cloud.config import ConfigError, JobConfig, add_config_flags, conf
 from torchrec_cloud.data import DataSource, build_data_source, with_dataset_features
 from torchrec_cloud.data.prefetch import EpochsAhead, TrainFeed
 from torchrec_cloud.distributed import Env, init_distributed, plan_summary
+from torchrec_cloud.errors import CommandError
 from torchrec_cloud.evaluation import evaluate
 from torchrec_cloud.launch import EXIT_OK, EXIT_PREEMPTED, end_pod, report_finished, report_run
 from torchrec_cloud.metrics import MetricsSink
@@ -89,6 +90,7 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
     step_context = precision_context(cfg.train.precision, env.device)
     workers = _data_workers(cfg, env)
     window = _Window()
+    finite = _FiniteLoss()
     last_val: dict[str, float] = {}
     val_step = -1  # the step at which the whole validation split was last scored
     intervals = (cfg.train.eval_every, cfg.checkpoint.checkpoint_interval)
@@ -110,11 +112,13 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
             scheduler.step()
             step += 1
             window.add(loss, cfg.data.batch_size * env.world_size)
+            finite.add(loss, step)
             bar.update(1)
             if step % cfg.train.log_every == 0:
                 record = window.record(step, epoch, env, scheduler.current_lr())
                 bar.set_postfix(loss=f"{record['loss']:.4f}", sps=f"{record['samples_per_s']:.0f}")
                 sink.log(record)
+        finite.check(checkpoints, preemption, sink)  # before anything is evaluated or saved
         done = first + step - segment_start
         if done < last and not (preemption.stop or checkpoints.cut):
             done = batches_per_epoch  # a rank ran out of batches: the epoch ends on every rank
@@ -365,6 +369,36 @@ class _Window:
         }
         self._reset()
         return record
+
+
+class NonFiniteLossError(CommandError):
+    """The training loss was NaN or infinite: the run stops, saving nothing."""
+
+
+class _FiniteLoss:
+    """The first step whose loss was not finite, kept where the loss is (no sync a step), and
+    agreed by every rank at the end of each segment, before anything is evaluated or saved:
+    a NaN spreads to every weight at the next update, so nothing after it is worth keeping."""
+
+    def __init__(self) -> None:
+        self.first: Optional[torch.Tensor] = None
+
+    def add(self, loss: torch.Tensor, step: int) -> None:
+        mark = torch.where(torch.isfinite(loss.detach()), 0, step)
+        self.first = mark if self.first is None else torch.where(self.first > 0, self.first, mark)
+
+    def check(self, checkpoints: Checkpointer, preemption: Preemption, sink: MetricsSink) -> None:
+        mine = int(self.first) if self.first is not None else 0
+        step = comm.all_min([mine if mine > 0 else 2**62])[0]
+        if step == 2**62:
+            return
+        checkpoints.close()  # a save still being written is of an earlier step: let it commit
+        last = checkpoints.last_step
+        preemption.close()
+        sink.close()
+        kept = f"the last checkpoint (step {last}) is kept" if last is not None else "no checkpoint was saved"
+        raise NonFiniteLossError(f"step {step}: the training loss is not finite (NaN or inf); stopped without saving, "
+                                 f"{kept}. Look for extreme values in the data, or lower --learning_rate")  # fmt: skip
 
 
 def _save_on_stop(step: int, preemption: Preemption, checkpoints: Checkpointer, env: Env) -> bool:

@@ -15,8 +15,8 @@ whoever can write there. Everything we read from one goes through this module (d
 - text shown to a user: control characters escaped (:func:`shown`), so no escape code reaches
   a terminal.
 
-Only JSON and YAML (``yaml.safe_load``: plain data, no tags that build objects) are parsed
-here; nothing is unpickled (a checkpoint's ``.metadata``: :mod:`~torchrec_cloud.checkpoint.safe_load`).
+Only JSON and YAML (PyYAML's safe loader, on libyaml where installed: plain data, no tags that
+build objects, no key given twice) are parsed here; nothing is unpickled (a checkpoint's ``.metadata``: :mod:`~torchrec_cloud.checkpoint.safe_load`).
 
 Every failure is an :class:`UntrustedInputError` (a ``ValueError`` and a
 :class:`~torchrec_cloud.errors.CommandError`) whose text is one line, ``FILE: FIELD: what is
@@ -254,14 +254,71 @@ def read_yaml(path: str, limit: int) -> Any:
 
 
 def parse_yaml(text: str, file: str) -> Any:
-    """``text`` through ``yaml.safe_load``: mappings, lists, strings, numbers, booleans, null
-    and dates only (no tag builds an object); not YAML is an error naming ``file``."""
+    """``text`` as plain data: mappings, lists, strings, numbers, booleans and null (no tag
+    builds an object; a date stays its text, as written), through libyaml's C parser where
+    PyYAML has it (the pure-Python one is tens of times slower on a large file). A key given
+    twice in one mapping is an error (YAML keeps the last one silently, so a second
+    ``label:`` would win); so is anything that is not YAML, naming ``file``."""
     import yaml
 
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 - a SafeConstructor subclass
+    except yaml.MarkedYAMLError as e:
+        where = f" at line {e.problem_mark.line + 1}" if e.problem_mark is not None else ""
+        raise UntrustedInputError(file, "", f"is not valid YAML{where} ({shown(' '.join(str(e.problem or e).split()), 160)})") from None
     except (yaml.YAMLError, RecursionError) as e:
         raise UntrustedInputError(file, "", f"is not valid YAML ({shown(' '.join(str(e).split()), 160)})") from None
+    except (ValueError, TypeError, KeyError, OverflowError) as e:  # a tagged value that does not convert (!!int of 5,000 digits, !!bool x)
+        raise UntrustedInputError(file, "", f"holds a value its tag or type cannot convert ({shown(' '.join(str(e).split()), 160)})") from None
+
+
+_LOADER: Any = None
+
+
+def _yaml_loader() -> Any:
+    """The safe loader on libyaml's parser when installed (``yaml.CSafeLoader``), else the
+    pure one, with implicit timestamps kept as text and duplicate keys refused."""
+    global _LOADER
+    if _LOADER is not None:
+        return _LOADER
+    import yaml
+
+    base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+    class Loader(base):  # type: ignore[misc, valid-type]
+        yaml_implicit_resolvers = {
+            first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+            for first, resolvers in base.yaml_implicit_resolvers.items()
+        }
+
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            if isinstance(node, yaml.MappingNode):
+                seen = set()
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":
+                        continue
+                    key = self.construct_object(key_node, deep=True)
+                    try:
+                        duplicate = key in seen
+                        seen.add(key)
+                    except TypeError:  # an unhashable key: the base class names it
+                        continue
+                    if duplicate:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"the key {shown(key)} is given twice in one mapping", key_node.start_mark)
+            return super().construct_mapping(node, deep)
+
+    Loader.yaml_constructors = dict(base.yaml_constructors)
+    _LOADER = Loader
+    return Loader
+
+
+def yaml_parser() -> str:
+    """``libyaml`` or ``python``: which parser :func:`parse_yaml` uses here."""
+    import yaml
+
+    c_parser = getattr(getattr(yaml, "cyaml", None), "CParser", None)
+    return "libyaml" if c_parser is not None and issubclass(_yaml_loader(), c_parser) else "python"
 
 
 def read_line(stream: Any, limit: int = MAX_LINE_BYTES, where: str = "") -> bytes:

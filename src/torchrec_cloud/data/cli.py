@@ -27,7 +27,7 @@ from torchrec_cloud.data.criteo_format import CAT_FEATURES
 from torchrec_cloud.progress import Progress, plural
 
 CRITEO_ONLY = ("num_embeddings", "num_embeddings_per_feature", "chunk_mb")
-SCHEMA_ONLY = ("split_by", "val_from", "test_from", "shares", "share_index")
+SCHEMA_ONLY = ("split_by", "val_from", "test_from", "shares", "share_index", "max_list_length", "max_id_bytes")
 
 
 def _sizes(ns: argparse.Namespace) -> Optional[list[int]]:
@@ -90,13 +90,16 @@ def _share(ns: argparse.Namespace) -> Optional[tuple[int, int]]:
 def _preprocess_schema(ns: argparse.Namespace) -> int:
     from torchrec_cloud.data import preprocess as own
     from torchrec_cloud.data.schema import load_schema, split_from_flags
-    from torchrec_cloud.data.tabular import expand
+    from torchrec_cloud.data.tabular import Caps, expand
 
     share = _share(ns)
+    defaults = Caps()
+    caps = Caps(defaults.max_list_length if ns.max_list_length is None else ns.max_list_length,
+                defaults.max_id_bytes if ns.max_id_bytes is None else ns.max_id_bytes).check()
     schema = load_schema(ns.schema)
     split = split_from_flags(schema, ns.split_by, ns.val_from, ns.test_from)
     inputs = expand(list(ns.input))
-    opts = own.Options(schema, inputs, ns.output, split, ns.on_bad_line, ns.rows_per_shard or 500_000)
+    opts = own.Options(schema, inputs, ns.output, split, ns.on_bad_line, ns.rows_per_shard or 500_000, caps)
     progress = Progress("preprocess", "rows", enabled=not ns.no_progress)
     result = own.preprocess(opts, workers=ns.workers or (os.cpu_count() or 1), share=share, wait_s=ns.wait_s,
                             progress=progress)  # fmt: skip
@@ -277,6 +280,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--on_bad_line", choices=["error", "skip"], default="error",
                    help="error: stop at the first bad line or row with FILE:LINE (exit 1); "
                         "skip: leave bad ones out and report how many")
+    p.add_argument("--max_list_length", type=int, default=None, metavar="N",
+                   help="--schema: a row whose list holds more ids is a bad row (default 100000)")
+    p.add_argument("--max_id_bytes", type=int, default=None, metavar="N",
+                   help="--schema: a row with a longer text value (an id, a split key) is a bad row (default 4096)")
     p.add_argument("--workers", type=int, default=0,
                    help="processes to use (default 0: all cores)")
     p.add_argument("--chunk_mb", type=float, default=None,

@@ -4,7 +4,8 @@ column types and a sample of its values, for the user to read and edit::
     torchrec-cloud data schema --input s3://bucket/events/day_0.parquet --output schema.yaml
 
 The proposal is YAML with a comment on every column (its type, distinct values and missing
-share in the sample, and why it was given its role). Rules, in order:
+share in the sample, and why it was given its role); a column's name is written as a JSON
+string, and escaped in comments, so no name can add a line of its own. Rules, in order:
 
 - the label: a 0/1 (or true/false) column named like a label (``label``, ``click``,
   ``clicked``, ``target``, ...), else the first 0/1 column; a rating-like column
@@ -31,8 +32,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from torchrec_cloud import storage
 from torchrec_cloud.data.schema import Schema
 from torchrec_cloud.data.tabular import Input, kind
+from torchrec_cloud.untrusted import shown
 
 SAMPLE_ROWS = 100_000
 LABEL_NAMES = ("label", "click", "clicked", "is_click", "clk", "target", "y", "converted", "conversion", "purchase",
@@ -49,26 +52,21 @@ def _sample(path: str, rows: int) -> pa.Table:
     """The first ``rows`` rows of every column (a CSV's as text)."""
     from torchrec_cloud.data.schema import Dense, Label, Sparse
 
-    if kind(path) == "parquet":
-        from torchrec_cloud import storage
-
-        import pyarrow.parquet as pq
-
-        with storage.open(path, "rb") as f:
-            pf = pq.ParquetFile(f)
-            batches = []
-            got = 0
-            for batch in pf.iter_batches(batch_size=min(rows, 65_536)):
-                batches.append(batch)
-                got += batch.num_rows
-                if got >= rows:
-                    break
-            table = pa.Table.from_batches(batches, schema=pf.schema_arrow)
-        return table.slice(0, rows)
-    # A CSV: every column, as text, through the same reader as preprocessing.
     stand_in = Schema("sample", Label("x"), (Dense("x", "x"),), (Sparse("x", "x"),))
-    names = Input(path, stand_in).available()
+    names = Input(path, stand_in).available()  # a column named twice is an error
     reader = Input(path, stand_in, columns=names)
+    if kind(path) == "parquet":  # read as preprocessing reads it: bounded by what it decodes to
+        parts, got = [], 0
+        for _, table in reader._parquet():
+            parts.append(table)
+            got += table.num_rows
+            if got >= rows:
+                break
+        if parts:
+            return pa.concat_tables(parts).slice(0, rows)
+        with storage.open(path, "rb") as f:
+            return reader.parquet_file(f).schema_arrow.empty_table()
+    # A CSV: every column, as text, through the same reader as preprocessing.
     parts, got = [], 0
     for _, table in reader._csv():
         parts.append(table)
@@ -170,7 +168,7 @@ class _Col:
             what = f"{self.kind} (as text)"
         else:
             what = str(self.type)
-        return f"{what}, {self.distinct:,} distinct in {self.n:,} sampled rows, {100 * self.missing:.0f}% missing"
+        return shown(f"{what}, {self.distinct:,} distinct in {self.n:,} sampled rows, {100 * self.missing:.0f}% missing", 300)
 
 
 def propose(path: str, rows: int = SAMPLE_ROWS) -> tuple[str, list[str]]:
@@ -190,7 +188,7 @@ def propose(path: str, rows: int = SAMPLE_ROWS) -> tuple[str, list[str]]:
             threshold = 4.0 if top == 5 else float(np.quantile(rating.numbers, 0.8))
     time_col = next((c for c in cols if c.kind == "time"), None) or next(
         (c for c in cols if c.name.lower() in TIME_NAMES and c.kind in ("int", "float", "string") and not c.is_list), None)  # fmt: skip
-    lines = [f"# Proposed by torchrec-cloud data schema from {path} ({table.num_rows:,} rows sampled).",
+    lines = [f"# Proposed by torchrec-cloud data schema from {shown(path, 300)} ({table.num_rows:,} rows sampled).",
              "# Read every line: each column's role, transform and table size is a guess. docs/data.md",
              "# describes every field; check it with: torchrec-cloud data preprocess --schema THIS ...",
              "name: " + _ident(re.sub(r"\.(parquet|pq|csv|tsv|txt)(\.gz)?$", "", path.rstrip("/").rsplit("/", 1)[-1]), set()),
@@ -202,7 +200,7 @@ def propose(path: str, rows: int = SAMPLE_ROWS) -> tuple[str, list[str]]:
         lines += [f"label: {{column: {json.dumps(label.name)}}}  # {label.describe()}"]
     else:
         lines += [f"label: {{column: {json.dumps(label.name)}, threshold: {threshold:g}}}  # positive when >= {threshold:g}; {label.describe()}"]
-        notes.append(f"the label is {label.name} >= {threshold:g}: check that this is what a positive means")
+        notes.append(f"the label is {shown(label.name)} >= {threshold:g}: check that this is what a positive means")
     taken: set[str] = set()
     dense, sparse, skipped = [], [], []
     for c in cols:
@@ -210,11 +208,11 @@ def propose(path: str, rows: int = SAMPLE_ROWS) -> tuple[str, list[str]]:
             continue
         spec = f"column: {json.dumps(c.name)}, " if _ident(c.name, set()) != c.name else ""
         if c.kind == "other":
-            skipped.append(f"#   {c.name}: {c.describe()}: not a type a feature can read")
+            skipped.append(f"#   {shown(c.name)}: {c.describe()}: not a type a feature can read")
             continue
         if c.is_list or c.kind == "string" or (c.kind == "int" and _ID_NAME.search(c.name)):
             if not c.is_list and c.kind == "string" and c.n >= 1000 and c.distinct > 0.9 * c.n:
-                skipped.append(f"#   {c.name}: {c.describe()}: differs on almost every row (an id of the row, not a feature)")
+                skipped.append(f"#   {shown(c.name)}: {c.describe()}: differs on almost every row (an id of the row, not a feature)")
                 continue
             element = c.element if c.is_list else ("int" if c.kind == "int" else "string")
             mapping = "vocab" if c.distinct < 1_000_000 else "hash"

@@ -52,7 +52,7 @@ from torchrec_cloud.data.dataset import (
     record_section,
 )
 from torchrec_cloud.data.schema import Schema, Split
-from torchrec_cloud.data.tabular import BadRowError, Input
+from torchrec_cloud.data.tabular import BadRowError, Caps, Input
 from torchrec_cloud.data.transforms import SPLIT_CODES, Transforms
 from torchrec_cloud.errors import CommandError
 from torchrec_cloud.untrusted import MAX_ROWS, Fields, UntrustedInputError, integer, number, read_json, shown
@@ -77,6 +77,14 @@ class Options:
     split: Optional[Split]
     on_bad_line: str = "error"
     rows_per_shard: int = 500_000
+    caps: Caps = Caps()
+
+    def input(self, source: int) -> Input:
+        """Input ``source``, read with the caps, the split's column checked."""
+        by = self.split.by if self.split is not None else ""
+        column = None if by in ("", "input", "hash:") else by.removeprefix("hash:")
+        return Input(self.inputs[source], self.schema, self.schema.columns_read(self.split), caps=self.caps,
+                     split_column=column)  # fmt: skip
 
     def plan(self) -> dict[str, Any]:
         """What the output depends on, as its JSON reads back; a resumed run must match it."""
@@ -135,7 +143,7 @@ class _Reader:
 
     def __init__(self, opts: Options, source: int, transforms: Transforms, report: Callable[[int], None]) -> None:
         self.opts, self.source, self.t, self.report = opts, source, transforms, report
-        self.input = Input(opts.inputs[source], opts.schema, opts.schema.columns_read(opts.split))
+        self.input = opts.input(source)
         self.skipped = 0
         self.examples: list[str] = []
 
@@ -149,7 +157,9 @@ class _Reader:
     def batches(self):
         """``(first input row, table, Encoded)`` of each batch (rows count bad ones too); bad
         rows are stopped at or counted in file order."""
-        seen = 0  # rows the CSV reader dropped (wrong field count) that were handled
+        import pyarrow as pa
+
+        seen = 0  # rows the reader left out (a CSV's wrong field count, a row over a cap) that were handled
         inp = self.input
         try:
             for first, table in inp.batches():
@@ -167,8 +177,8 @@ class _Reader:
                 yield first, table, enc
             for line, reason in inp.bad_lines[seen:]:
                 self._bad(f"{inp.path}:{line}", reason)
-        except TypeError as e:  # a Parquet column of a type the schema cannot read
-            raise PreprocessError(f"{inp.path}: {e} (the schema and the file disagree)") from None
+        except (TypeError, pa.ArrowNotImplementedError) as e:  # a Parquet column of a type the schema cannot read
+            raise PreprocessError(f"{inp.path}: {shown(str(e), 200)} (the schema and the file disagree)") from None
         except ValueError as e:
             if isinstance(e, CommandError):  # a file's field, already named
                 raise
@@ -188,7 +198,7 @@ def count_input(opts: Options, source: int, report: Callable[[int], None] = lamb
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from torchrec_cloud.data.transforms import _list_array, _numbers, _texts
+    from torchrec_cloud.data.transforms import _list_array, _numbers, _texts, int_ids
 
     url = _url(opts, COUNTS_DIR, stem(opts, source) + ".json")
     if storage.exists(url):
@@ -214,7 +224,7 @@ def count_input(opts: Options, source: int, report: Callable[[int], None] = lamb
             values = pc.list_flatten(_list_array(column, f)) if f.list else column
             if pa.types.is_dictionary(values.type):
                 values = values.dictionary_decode()
-            values = pc.cast(values, pa.int64() if f.type == "int" else pa.string())
+            values = int_ids(values, f)[0] if f.type == "int" else pc.cast(values, pa.string())
             vc = pc.value_counts(values.drop_null())
             acc = counts[f.name]
             for v, c in zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist()):
@@ -258,10 +268,12 @@ def merge_counts(opts: Options) -> tuple[dict[str, list], dict[str, dict[str, fl
             found = entry.list("counts", 1 << 30)
             if len(values) != len(found):
                 raise UntrustedInputError(url, entry.path, "values and counts differ in length")
+            f = next(f for f in schema.sparse if f.name == name)
+            id_type = int if f.type == "int" else str  # one type: ids are sorted by value to break ties
             for v, c in zip(values, found):
-                if type(v) not in (str, int) or type(c) is not int or c < 0:
-                    raise UntrustedInputError(url, entry.path, f"an id must be text or an integer and its count an "
-                                              f"integer >= 0, got {shown(v)}: {shown(c)}")  # fmt: skip
+                if type(v) is not id_type or type(c) is not int or c < 0:
+                    raise UntrustedInputError(url, entry.path, f"an id must be {'an integer' if id_type is int else 'text'} "
+                                              f"(type: {f.type}) and its count an integer >= 0, got {shown(v)}: {shown(c)}")  # fmt: skip
                 acc[v] = acc.get(v, 0) + c
         got = doc.obj("moments")
         for name in moments:
@@ -517,7 +529,7 @@ def preprocess(opts: Options, workers: int = 1, share: Optional[tuple[int, int]]
         index, count = share
         mine = mine[index::count]
     for s in mine:  # a column missing from a file stops the run before any work
-        checked = Input(opts.inputs[s], opts.schema, opts.schema.columns_read(opts.split))
+        checked = opts.input(s)
         checked.check_columns()
         checked.check_types()
     vocabularies: dict[str, list] = {}

@@ -34,7 +34,7 @@ MAPPINGS = ("hash", "vocab", "modulo")
 ID_TYPES = ("string", "int")
 POOLINGS = ("sum", "mean")
 MAX_TABLE_ROWS = 1 << 40
-MAX_SCHEMA_BYTES = 16 << 20
+MAX_SCHEMA_BYTES = 1 << 20  # the most features a schema takes (2 x 4,096) at ~100 bytes a line
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
 

@@ -6,9 +6,10 @@
     encoded.records["dense"], encoded.lists[0] # float32 [B, D]; (offsets, ids) of a list feature
 
 - Label: a 0/1 (or true/false) column, or ``value >= threshold`` of a numeric one.
-- Dense: a missing value gets ``fill`` (a number, or the training rows' mean), then
-  ``none``, ``log1p`` (``log(1 + max(x, 0))``) or ``standardize`` (``(x - mean) / std``, with
-  the training rows' statistics), as float32.
+- Dense: a missing value (empty, null, NaN) gets ``fill`` (a number, or the training rows'
+  mean), then ``none``, ``log1p`` (``log(1 + max(x, 0))``) or ``standardize`` (``(x - mean) /
+  std``, with the training rows' statistics), as float32. A value that is not finite then
+  (``inf`` in the file, or one that overflows float32) makes its row bad.
 - Sparse ids to table rows: ``hash`` (strings: XXH3-64 of the UTF-8 bytes; integers:
   splitmix64 of the value; modulo the table size), ``vocab`` (row 1 + the id's rank by count
   among training ids seen at least ``min_count`` times; row 0 for every other id, seen or
@@ -36,7 +37,7 @@ from torchrec_cloud.untrusted import shown
 SPLIT_CODES = {"train": 0, "val": 1, "test": 2}
 INT32_MAX = 2**31 - 1
 DEFAULT_SPLIT = Split("hash:", 0.8, 0.9)  # no split given: 80/10/10 by a hash of each row
-_NUMBER = r"^\s*[-+]?(\d+\.?\d*([eE][-+]?\d+)?|\.\d+([eE][-+]?\d+)?|inf|Infinity)\s*$"
+_NUMBER = r"^\s*[-+]?(\d+\.?\d*([eE][-+]?\d+)?|\.\d+([eE][-+]?\d+)?)\s*$"
 _INTEGER = r"^\s*[-+]?\d{1,18}\s*$"
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
@@ -110,6 +111,18 @@ def _numbers(column: Any, name: str) -> _Column:
     return _Column(None, np.ones(len(arr), bool), lambda i: f"column {name} holds {arr.type}, not numbers")
 
 
+def _not_finite(col: _Column, infinite: np.ndarray, name: str, transform: str) -> _Column:
+    """``col`` with the rows in ``infinite`` bad too."""
+    before = col.reason
+
+    def reason(i: int) -> str:
+        if infinite[i]:
+            return f"column {shown(name)}: {float(col.values[i]):g} is not a finite number after its transform ({transform})"
+        return before(i)
+
+    return _Column(col.values, col.bad | infinite, reason)
+
+
 def _label(column: Any, schema: Schema) -> _Column:
     name, threshold = schema.label.column, schema.label.threshold
     arr = _texts(column)
@@ -139,6 +152,36 @@ def _label(column: Any, schema: Schema) -> _Column:
     return _Column(labels, col.bad | missing | wrong, reason)
 
 
+def int_ids(values: pa.Array, f: Sparse) -> tuple[pa.Array, np.ndarray, Any]:
+    """Integer ids of ``values`` (text like `` 5`` or ``+7`` too) as int64, null where missing
+    or bad; the bad entries and why. Counting and encoding both read ids through it, so a
+    vocabulary holds the ids the encoder looks up."""
+    bad = np.zeros(len(values), bool)
+    reason = None
+    if pa.types.is_dictionary(values.type):
+        values = values.dictionary_decode()
+    if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+        try:  # clean text converts at once
+            values = pc.cast(values, pa.int64())
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            ok = pc.fill_null(pc.match_substring_regex(values, _INTEGER), True).to_numpy(zero_copy_only=False)
+            bad = ~ok
+            shown_values = values
+            reason = lambda i: f"column {shown(f.column)}: not an integer id: {shown(repr(shown_values[i].as_py()))}"  # noqa: E731
+            clean = pc.utf8_trim_whitespace(pc.if_else(pa.array(ok), values, pa.scalar(None, values.type)))
+            values = pc.cast(pc.replace_substring_regex(clean, r"^\+", ""), pa.int64())
+    elif pa.types.is_floating(values.type):
+        as_int = pc.cast(values, pa.int64(), safe=False)
+        whole = pc.fill_null(pc.equal(pc.cast(as_int, values.type), values), True).to_numpy(zero_copy_only=False)
+        bad = ~whole
+        shown_values = values
+        reason = lambda i: f"column {shown(f.column)}: not an integer id: {shown(repr(shown_values[i].as_py()))}"  # noqa: E731
+        values = pc.if_else(pa.array(whole), as_int, pa.scalar(None, pa.int64()))
+    elif not pa.types.is_integer(values.type):
+        raise TypeError(f"column {shown(f.column)} holds {values.type}, not integer ids")
+    return pc.cast(values, pa.int64()), bad, reason
+
+
 def _ids_of_values(values: pa.Array, f: Sparse, vocab: Optional[dict]) -> tuple[np.ndarray, np.ndarray, Any]:
     """Table rows of flat id ``values`` (-1 where missing), the bad entries, and why."""
     n = len(values)
@@ -147,26 +190,7 @@ def _ids_of_values(values: pa.Array, f: Sparse, vocab: Optional[dict]) -> tuple[
     if pa.types.is_dictionary(values.type):
         values = values.dictionary_decode()
     if f.type == "int":
-        if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
-            try:  # clean text converts at once
-                values = pc.cast(values, pa.int64())
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-                ok = pc.fill_null(pc.match_substring_regex(values, _INTEGER), True).to_numpy(zero_copy_only=False)
-                bad = ~ok
-                shown_values = values
-                reason = lambda i: f"column {f.column}: not an integer id: {shown(repr(shown_values[i].as_py()))}"  # noqa: E731
-                clean = pc.utf8_trim_whitespace(pc.if_else(pa.array(ok), values, pa.scalar(None, values.type)))
-                values = pc.cast(pc.replace_substring_regex(clean, r"^\+", ""), pa.int64())
-        elif pa.types.is_floating(values.type):
-            as_int = pc.cast(values, pa.int64(), safe=False)
-            whole = pc.fill_null(pc.equal(pc.cast(as_int, values.type), values), True).to_numpy(zero_copy_only=False)
-            bad = ~whole
-            shown_values = values
-            reason = lambda i: f"column {f.column}: not an integer id: {shown(repr(shown_values[i].as_py()))}"  # noqa: E731
-            values = as_int
-        elif not pa.types.is_integer(values.type):
-            raise TypeError(f"column {f.column} holds {values.type}, not integer ids")
-        values = pc.cast(values, pa.int64())
+        values, bad, reason = int_ids(values, f)
     else:
         if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
             values = pc.cast(values, pa.string())  # integers become their decimal text
@@ -243,6 +267,11 @@ class Transforms:
                 mean, std = self._scale[j]
                 x = (x - mean) / std
             out[:, j] = x
+            # inf in the file, or a value that overflows float32 after its transform: a model
+            # fed one trains to NaN, so the row is bad (a missing value, NaN, got its fill).
+            infinite = ~np.isfinite(out[:, j]) & ~col.bad
+            if infinite.any():
+                col = _not_finite(col, infinite, f.column, f.transform)
             bad |= col.bad
             reasons.append(col)
         return out, bad, lambda i: next(c.reason(i) for c in reasons if c.bad[i])
@@ -367,7 +396,10 @@ def _bound_for(values: pa.Array, bound: Any) -> Any:
     if isinstance(bound, (int, float)) and not isinstance(bound, bool):
         return float(bound)
     if pa.types.is_integer(t) or pa.types.is_floating(t):
-        return float(bound)
+        try:
+            return float(bound)
+        except ValueError:
+            raise ValueError(f"the split's bound {shown(repr(bound))} cannot be compared with a column of {t}: give a number") from None
     if pa.types.is_timestamp(t) or pa.types.is_date(t):
         text = pa.scalar(str(bound))
         try:

@@ -17,6 +17,10 @@ TorchScript module, as a server would load it, so on the validation split the AU
 loss are the training run's final validation figures. The last line printed carries them
 (``--json``: one JSON object with ``rows``, and ``auc``, ``logloss`` when the rows have the
 label); the CSV has ``probability,label`` per row (``probability`` alone without labels).
+A raw row that does not convert (text in a numeric column, a value not finite after its
+transform, a row over preprocessing's caps) stops with ``FILE:LINE`` and the column, or with
+``--on_bad_line skip`` is left out of the CSV and counted (``skipped_rows``). A metric that
+has no value (the AUC of rows of one class) is ``null`` in the JSON, never ``NaN``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import time
 from typing import Any, Iterator, Optional, Sequence
 
@@ -175,6 +180,7 @@ def predict(
     batch_size: int = 4096,
     progress: bool = True,
     input: Optional[str] = None,  # noqa: A002 - the flag's name
+    on_bad_line: str = "error",
 ) -> dict[str, Any]:
     """Score ``split`` of ``dataset_path``, or the raw file ``input``, with the model in
     ``model_dir``; write one probability per row to ``output`` (CSV: ``probability,label``, or
@@ -189,9 +195,11 @@ def predict(
     scorer = load_scorer(model_dir, config["files"][SCORER_FILE])
     labelled = True
     if input is not None and "transforms" in config:
-        source = RawRows(config, model_dir, input, batch_size, cfg)
+        source = RawRows(config, model_dir, input, batch_size, cfg, on_bad_line)
         labelled, split = source.labelled, "file"
     else:
+        if on_bad_line != "error":
+            raise ConfigError("on_bad_line", "applies to Parquet or CSV rows of a model trained on a schema's dataset")
         cfg.data.dataset_path = input if input is not None else dataset_path
         source = eval_source(cfg, batch_size, split)
     if isinstance(source, CriteoTSV):
@@ -210,9 +218,23 @@ def predict(
     if labelled:
         metrics = binary_metrics(logits, labels)
         result.update(auc=metrics["auc"], logloss=metrics["logloss"], ne=metrics["ne"])
+    if isinstance(source, RawRows):
+        result.update(skipped_rows=source.skipped, skipped_examples=source.examples)
     result.update(seconds=seconds, rows_per_s=rows / max(seconds, 1e-9), output=output,
                   quantize=config.get("quantize", "none"))  # fmt: skip
-    return result
+    return finite(result)
+
+
+def finite(value: Any) -> Any:
+    """``value`` with every float that is not finite (an AUC of one class, a NaN loss) as None,
+    so that its JSON is JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
 
 
 class RawRows:
@@ -221,7 +243,8 @@ class RawRows:
     read (:func:`~torchrec_cloud.data.reader.batch_of`). A row that does not convert stops
     with FILE:LINE and the column; rows without the label column are scored unlabelled."""
 
-    def __init__(self, config: dict[str, Any], model_dir: str, path: str, batch_size: int, cfg: JobConfig) -> None:
+    def __init__(self, config: dict[str, Any], model_dir: str, path: str, batch_size: int, cfg: JobConfig,
+                 on_bad_line: str = "error") -> None:  # fmt: skip
         from torchrec_cloud.data.dataset import check_transforms, read_vocabularies
         from torchrec_cloud.data.schema import parse_schema
         from torchrec_cloud.data.tabular import Input
@@ -230,11 +253,16 @@ class RawRows:
         where = storage.join(model_dir, CONFIG_FILE)
         schema = parse_schema(config.get("schema"), f"{where} (schema)")
         spec = check_transforms(config.get("transforms"), schema, where, "transforms")
+        if len(schema.dense) != cfg.model.num_dense_features or [f.name for f in schema.sparse] != cfg.model.sparse_names:
+            raise UntrustedInputError(where, "schema", f"its {len(schema.dense)} dense and {len(schema.sparse)} sparse features "
+                                      f"differ from the model's {cfg.model.num_dense_features} dense and "
+                                      f"{len(cfg.model.sparse_names)} sparse ones: export again")  # fmt: skip
         if spec["table_sizes"] != cfg.model.table_sizes:
             raise UntrustedInputError(where, "transforms.table_sizes",
                                       f"{spec['table_sizes']} differ from the model's tables {cfg.model.table_sizes}")  # fmt: skip
         self.transforms = Transforms(schema, read_vocabularies(model_dir, spec["vocab"], where), spec["dense_stats"])
-        self.path, self.batch_size = path, batch_size
+        self.path, self.batch_size, self.on_bad_line = path, batch_size, on_bad_line
+        self.skipped, self.examples = 0, []
         probe = Input(path, schema, columns=[])
         self.labelled = schema.label.column in probe.available()
         self.input = Input(path, schema, columns=schema.columns_read(None, self.labelled))
@@ -243,29 +271,38 @@ class RawRows:
         self.lists = [k for k, f in enumerate(schema.sparse) if f.list]
         self.table_sizes = np.asarray(spec["table_sizes"], np.int64)
 
+    def _bad(self, line: int, reason: str) -> None:
+        from torchrec_cloud.data.tabular import BadRowError
+
+        if self.on_bad_line == "error":
+            raise BadRowError(self.path, line, reason)
+        self.skipped += 1
+        if len(self.examples) < 5:
+            self.examples.append(f"{self.path}:{line}: {reason}")
+
     def eval_batches(self, split: str = "file") -> Iterator[tuple[Any, int]]:
         from torchrec_cloud.data.dataset import Rows
         from torchrec_cloud.data.reader import batch_of
-        from torchrec_cloud.data.tabular import BadRowError
 
         t, bs = self.transforms, self.batch_size
+        seen = 0  # rows the reader left out (wrong field count, over a cap) already handled
         try:
             for first, table in self.input.batches():
-                if self.input.bad_lines:
-                    line, reason = self.input.bad_lines[0]
-                    raise BadRowError(self.path, line, reason)
                 enc = t.encode(table, None, labelled=self.labelled)
-                if enc.bad_count:
-                    row, reason = min(enc.bad.items())
-                    where = self.input.where(first + row)
-                    raise BadRowError(where.rsplit(":", 1)[0], int(where.rsplit(":", 1)[1]), reason)
+                bad = [(int(self.input.where(first + row).rsplit(":", 1)[1]), reason) for row, reason in enc.bad.items()]
+                last = int(self.input.where(first + table.num_rows - 1).rsplit(":", 1)[1]) if table.num_rows else 0
+                while seen < len(self.input.bad_lines) and self.input.bad_lines[seen][0] <= last:
+                    bad.append(self.input.bad_lines[seen])
+                    seen += 1
+                for line, reason in sorted(bad):
+                    self._bad(line, reason)
+                self.skipped += enc.bad_count - len(enc.bad)  # beyond the first few, counted only
                 rows = Rows(enc.records, enc.lists)
                 for lo in range(0, len(rows), bs):
                     part = rows.slice(lo, min(lo + bs, len(rows)))
                     yield batch_of(part, self.keys, self.singles, self.lists, self.table_sizes, self.path), len(part)
-            if self.input.bad_lines:
-                line, reason = self.input.bad_lines[0]
-                raise BadRowError(self.path, line, reason)
+            for line, reason in self.input.bad_lines[seen:]:
+                self._bad(line, reason)
         except TypeError as e:  # a Parquet column of a type the schema cannot read
             raise ServingError(f"{self.path}: {e} (the file and the model's schema disagree)") from None
         except ValueError as e:
@@ -285,6 +322,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--split", choices=SPLITS, default="val", help="rows to score (all: train, val and test)")
     parser.add_argument("--output", required=True, metavar="FILE", help="CSV to write: probability,label per row")
     parser.add_argument("--batch_size", type=int, default=4096, help="rows scored at a time")
+    parser.add_argument("--on_bad_line", choices=["error", "skip"], default="error",
+                        help="--input: error: stop at the first row that does not convert, with FILE:LINE (exit 1); "
+                             "skip: leave such rows out of the CSV and count them")  # fmt: skip
     parser.add_argument("--no_progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return parser
@@ -295,16 +335,22 @@ def _main(ns: argparse.Namespace) -> int:
         raise ConfigError("batch_size", f"must be > 0, got {ns.batch_size}")
     if (ns.input is None) == (ns.dataset_path is None):
         raise ConfigError("input", "give --input FILE (raw rows) or --dataset_path (preprocessed shards), one of them")
-    result = predict(ns.model_dir, ns.dataset_path, ns.split, ns.output, ns.batch_size, not ns.no_progress, ns.input)
+    result = predict(ns.model_dir, ns.dataset_path, ns.split, ns.output, ns.batch_size, not ns.no_progress, ns.input,
+                     ns.on_bad_line)  # fmt: skip
     if ns.json:
-        print(json.dumps(result))
+        print(json.dumps(result, allow_nan=False))
     else:
         print(
             f"{result['split']}: {result['rows']} rows scored in {result['seconds']:.2f}s "
             f"({result['rows_per_s']:.0f} rows/s) -> {result['output']}"
         )
         if "auc" in result:
-            print(f"auc {result['auc']:.6f}  logloss {result['logloss']:.6f}  ne {result['ne']:.6f}  rows {result['rows']}")
+            print("  ".join(f"{k} {result[k]:.6f}" if result[k] is not None else f"{k} n/a" for k in ("auc", "logloss", "ne"))
+                  + f"  rows {result['rows']}")
         else:
             print(f"rows {result['rows']} (no label column: probabilities only)")
+        if result.get("skipped_rows"):
+            print(f"skipped {result['skipped_rows']} bad rows (not in {result['output']}); first ones:")
+            for example in result["skipped_examples"]:
+                print(f"  {example}")
     return 0
