@@ -198,3 +198,15 @@ def test_crafted_boundaries_are_refused_with_one_line(shop, capsys, tmp_path):
     rc, out, err = cli(capsys, "data", "verify", str(copy))
     assert rc != 0 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert "transforms.boundaries.age: must increase" in err
+
+
+def test_data_schema_proposes_buckets_for_numbers(shop, capsys, tmp_path):
+    from torchrec_cloud.data.schema import load_schema
+
+    out = tmp_path / "proposed.yaml"
+    rc, _, err = cli(capsys, "data", "schema", "--input", str(shop / "raw" / "train.parquet"), "--output", str(out))
+    assert rc == 0, err
+    schema = load_schema(str(out))
+    assert [f.name for f in schema.sparse if f.mapping == "bucketize"] == ["amount", "age", "visits"], out.read_text()
+    assert {f.name: f.transform for f in schema.dense} == {"amount": "log1p", "age": "standardize",
+                                                           "visits": "standardize"}, out.read_text()  # fmt: skip
