@@ -197,7 +197,10 @@ def ours(work: Path, d: dict, args: argparse.Namespace, schema: str = "") -> dic
     cmd = [sys.executable, "-m", "torchrec_cloud", "train", "--dataset_path", str(out), "--batch_size", str(args.batch_size),
            "--num_epochs", str(args.epochs), "--learning_rate", str(args.learning_rate), "--embedding_dim", "16",
            "--dense_arch_layer_sizes", "64,16", "--over_arch_layer_sizes", "128,64,1", "--eval_every", "0",
-           "--shuffle", "--no-progress", "--no-tensorboard", "--output_dir", str(work / "run")]  # fmt: skip
+           "--shuffle", "--no-progress", "--no-tensorboard", "--output_dir", str(work / "run"),
+           "--interaction", args.interaction]  # fmt: skip
+    if args.interaction == "dcn":
+        cmd += ["--dcn_num_layers", "2", "--dcn_low_rank_dim", "16"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(proc.stdout[-2000:] + proc.stderr[-4000:])
@@ -265,6 +268,8 @@ def main_() -> None:
     p.add_argument("--batch_size", type=int, default=1024)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--learning_rate", type=float, default=0.03)
+    p.add_argument("--interaction", choices=["dot", "dcn"], default="dot",
+                   help="the model's feature interaction (dcn: 2 cross layers of rank 16)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="own-data-quality-") as tmp:
@@ -283,7 +288,7 @@ def main_() -> None:
     result = {"dataset": args.dataset, "ours_test_auc": ours_["test_auc"], "lightgbm_test_auc": gbm["test_auc"],
               "bayes_auc": d["bayes_auc"], "test_rows": ours_["test_rows"], "lightgbm_test_rows": gbm["test_rows"],
               "lightgbm_rounds": gbm["rounds"], "epochs": args.epochs, "batch_size": args.batch_size,
-              "learning_rate": args.learning_rate}  # fmt: skip
+              "learning_rate": args.learning_rate, "interaction": args.interaction}  # fmt: skip
     for name, v in variants.items():
         result[f"ours_{name}_test_auc"] = v["test_auc"]
     bayes = f", Bayes-optimal {d['bayes_auc']:.4f}" if d["bayes_auc"] is not None else ""
