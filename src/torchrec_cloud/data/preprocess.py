@@ -7,8 +7,10 @@ the schema's transforms (:mod:`~torchrec_cloud.data.transforms`)::
     torchrec-cloud data preprocess --schema schema.yaml --input s3://bucket/events/ \\
         --output s3://bucket/events-shards --split_by ts --val_from 2024-03-01 --test_from 2024-03-15
 
-Two passes over each input: counting (vocabularies, and the mean and spread of
-``standardize`` features, over training rows only; skipped when the schema needs neither),
+Two passes over each input: counting (vocabularies, the mean and spread of ``standardize``
+features and a summary of each bucketized column's values for its boundaries
+(:mod:`~torchrec_cloud.data.buckets`), over training rows only; skipped when the schema needs
+none of them),
 then converting. Each input's counts and each shard are committed by a file of their own, so
 the same command run again after an interruption does only what is missing.
 
@@ -51,6 +53,7 @@ from torchrec_cloud.data.dataset import (
     load_dataset,
     record_section,
 )
+from torchrec_cloud.data.buckets import Summary, boundaries
 from torchrec_cloud.data.schema import Schema, Split
 from torchrec_cloud.data.tabular import BadRowError, Caps, Input
 from torchrec_cloud.data.transforms import SPLIT_CODES, Transforms
@@ -94,7 +97,7 @@ class Options:
         return json.loads(json.dumps(plan))
 
     def needs_counts(self) -> bool:
-        return any(f.mapping == "vocab" for f in self.schema.sparse) or any(
+        return any(f.mapping in ("vocab", "bucketize") for f in self.schema.sparse) or any(
             f.transform == "standardize" or f.fill == "mean" for f in self.schema.dense
         )
 
@@ -209,6 +212,8 @@ def count_input(opts: Options, source: int, report: Callable[[int], None] = lamb
                           {f.name: {"mean": 0.0, "std": 1.0} for f in schema.dense})  # fmt: skip
     vocab_features = [f for f in schema.sparse if f.mapping == "vocab"]
     moment_features = [f for f in schema.dense if f.transform == "standardize" or f.fill == "mean"]
+    bucket_features = [f for f in schema.sparse if f.mapping == "bucketize"]
+    summaries = {f.name: Summary() for f in bucket_features}
     counts: dict[str, dict] = {f.name: {} for f in vocab_features}
     moments = {f.name: [0, 0.0, 0.0] for f in moment_features}  # n, mean, M2 (Chan et al.)
     reader = _Reader(opts, source, counting, report)
@@ -229,6 +234,8 @@ def count_input(opts: Options, source: int, report: Callable[[int], None] = lamb
             acc = counts[f.name]
             for v, c in zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist()):
                 acc[v] = acc.get(v, 0) + c
+        for f in bucket_features:
+            summaries[f.name].add(_numbers(rows.column(f.column), f.column).values)
         for f in moment_features:
             x = _numbers(rows.column(f.column), f.column).values
             x = x[~np.isnan(x)]
@@ -239,6 +246,7 @@ def count_input(opts: Options, source: int, report: Callable[[int], None] = lamb
         "train_rows": train_rows,
         "ids": {name: {"values": list(c.keys()), "counts": list(c.values())} for name, c in counts.items()},
         "moments": moments,
+        "summaries": {name: summary.to_json() for name, summary in summaries.items()},
     }
     storage.write_bytes(url, json.dumps(doc).encode())
 
@@ -251,11 +259,13 @@ def _merge_moments(a: list, b: list) -> list:
     return [n, a[1] + delta * b[0] / n, a[2] + b[2] + delta * delta * a[0] * b[0] / n]
 
 
-def merge_counts(opts: Options) -> tuple[dict[str, list], dict[str, dict[str, float]]]:
+def merge_counts(opts: Options) -> tuple[dict[str, list], dict[str, dict[str, float]], dict[str, list[float]]]:
     """Every input's counts merged, in input order: the vocabularies (ids seen at least
     ``min_count`` times in training rows, most frequent first, ties by id, at most
-    ``num_embeddings - 1``) and the dense statistics. The same on every share."""
+    ``num_embeddings - 1``), the dense statistics and the bucketized features' boundaries.
+    The same on every share."""
     schema = opts.schema
+    summaries = {f.name: Summary() for f in schema.sparse if f.mapping == "bucketize"}
     totals: dict[str, dict] = {f.name: {} for f in schema.sparse if f.mapping == "vocab"}
     moments = {f.name: [0, 0.0, 0.0] for f in schema.dense if f.transform == "standardize" or f.fill == "mean"}
     for source in range(len(opts.inputs)):
@@ -282,6 +292,11 @@ def merge_counts(opts: Options) -> tuple[dict[str, list], dict[str, dict[str, fl
                 raise UntrustedInputError(url, got.field(name), f"must be [count, mean, M2], got {shown(m)}")
             m = [integer(m[0], url, got.field(name), hi=MAX_ROWS)] + [number(x, url, got.field(name)) for x in m[1:]]
             moments[name] = _merge_moments(moments[name], m)
+        if summaries:
+            got = doc.obj("summaries")
+            for name, summary in summaries.items():
+                values, weights = _summary(got.obj(name), summary.points)
+                summary.merge(values, weights)
     vocabularies = {}
     for f in schema.sparse:
         if f.mapping != "vocab":
@@ -293,7 +308,18 @@ def merge_counts(opts: Options) -> tuple[dict[str, list], dict[str, dict[str, fl
     for name, (n, mean, m2) in moments.items():
         std = float(np.sqrt(m2 / n)) if n else 1.0
         stats[name] = {"mean": float(mean), "std": std if std > 0 else 1.0, "count": int(n)}
-    return vocabularies, stats
+    bounds = {f.name: boundaries(summaries[f.name].values, summaries[f.name].weights, f.num_embeddings - 1)
+              for f in schema.sparse if f.mapping == "bucketize"}  # fmt: skip
+    return vocabularies, stats, bounds
+
+
+def _summary(e: Fields, points: int) -> tuple[list[float], list[int]]:
+    """An input's summary of a bucketized column (:class:`~torchrec_cloud.data.buckets.Summary`), checked."""
+    values = [number(v, e.file, f"{e.field('values')}[{i}]") for i, v in enumerate(e.list("values", 6 * points))]
+    weights = e.ints("weights", 6 * points, hi=MAX_ROWS)
+    if len(values) != len(weights):
+        raise UntrustedInputError(e.file, e.path, "values and weights differ in length")
+    return values, weights
 
 
 def _vocab_bytes(name: str, values: list) -> bytes:
@@ -420,7 +446,8 @@ def write_manifest(opts: Options, transforms: Transforms, vocab_entries: dict, s
             "pooling": [f.pooling for f in opts.schema.sparse],
         },
         "transforms": {"table_sizes": transforms.table_sizes, "vocab": vocab_entries,
-                       "dense_stats": {k: {"mean": v["mean"], "std": v["std"]} for k, v in stats.items()}},  # fmt: skip
+                       "dense_stats": {k: {"mean": v["mean"], "std": v["std"]} for k, v in stats.items()},
+                       "boundaries": {k: v.tolist() for k, v in transforms.boundaries.items()}},  # fmt: skip
         "split": asdict(opts.split) if opts.split else None,
         "sources": sources,
         "shards": shards,
@@ -534,10 +561,11 @@ def preprocess(opts: Options, workers: int = 1, share: Optional[tuple[int, int]]
         checked.check_types()
     vocabularies: dict[str, list] = {}
     stats: dict[str, dict] = {}
+    bounds: dict[str, list[float]] = {}
     if opts.needs_counts():
         _run(count_input, opts, mine, (), workers, progress)
         _wait_for_counts(opts, wait_s if share is not None else 0.0)
-        vocabularies, stats = merge_counts(opts)
+        vocabularies, stats, bounds = merge_counts(opts)
     vocab_entries = {}
     for name, values in vocabularies.items():
         data = _vocab_bytes(name, values)
@@ -546,7 +574,7 @@ def preprocess(opts: Options, workers: int = 1, share: Optional[tuple[int, int]]
             storage.write_bytes(url, data)
         vocab_entries[name] = {"path": f"{VOCAB_DIR}/{name}.json", "bytes": len(data),
                                checksum.ALGORITHM: checksum.digest(data), "size": len(values)}  # fmt: skip
-    transforms = Transforms(opts.schema, vocabularies, stats)
+    transforms = Transforms(opts.schema, vocabularies, stats, bounds)
     todo = [s for s in mine if not storage.exists(_url(opts, SOURCES_DIR, stem(opts, s) + ".json"))]
     _run(convert_input, opts, todo, (transforms,), workers, progress)
     progress.close()

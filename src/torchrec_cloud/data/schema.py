@@ -3,10 +3,11 @@ how each raw value becomes a model input. A small YAML file the user writes (or 
 what ``torchrec-cloud data schema --input URL`` proposes, :mod:`~torchrec_cloud.data.infer`)::
 
     name: events
-    label: {column: clicked}                    # 0/1; or {column: rating, threshold: 4}
+    label: {column: clicked}                    # 0/1; {column: rating, threshold: 4}; {column: outcome, positive: [buy]}
     dense:
-      - {name: price, transform: log1p}         # none | log1p | standardize; fill: 0 or mean
+      - {name: price, transform: log1p}         # none | log1p | standardize | bucketize; fill: 0 or mean
       - {name: age, transform: standardize}
+      - {name: amount, transform: bucketize, buckets: 32, keep_dense: true}
     sparse:
       - {name: user_id, type: string, mapping: vocab, num_embeddings: 100000, min_count: 2}
       - {name: item_id, type: int, mapping: hash, num_embeddings: 50000}
@@ -30,8 +31,11 @@ from torchrec_cloud.untrusted import Fields, UntrustedInputError, number, read_y
 
 FORMAT = "torchrec-cloud-schema"
 TRANSFORMS = ("none", "log1p", "standardize")
-MAPPINGS = ("hash", "vocab", "modulo")
+MAPPINGS = ("hash", "vocab", "modulo", "bucketize")
 ID_TYPES = ("string", "int")
+DEFAULT_BUCKETS = 32
+MAX_BUCKETS = 1024
+MAX_POSITIVE = 1000
 POOLINGS = ("sum", "mean")
 MAX_TABLE_ROWS = 1 << 40
 MAX_SCHEMA_BYTES = 1 << 20  # the most features a schema takes (2 x 4,096) at ~100 bytes a line
@@ -43,6 +47,8 @@ class Label:
     column: str
     threshold: Optional[float] = None
     """None: the column holds 0/1 (or true/false); a number: label = value >= threshold."""
+    positive: Optional[tuple[Union[str, int, float], ...]] = None
+    """The values that count as 1 (text or numbers); every other value present is 0."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,10 @@ class Dense:
 
 @dataclass(frozen=True)
 class Sparse:
+    """An id feature, or a numeric column's bucket (``mapping: bucketize``, ``type: number``:
+    what a dense feature's ``transform: bucketize`` becomes; its table has ``num_embeddings =
+    buckets + 1`` rows, row 0 for a missing value)."""
+
     name: str
     column: str
     type: str = "string"
@@ -166,47 +176,62 @@ def parse_schema(raw: Any, where: str) -> Schema:
     d = Fields(raw, where)
     _keys(d, {"format", "name", "label", "dense", "sparse", "split", "delimiter", "header", "columns"})
     name = _ident(d, "name", "schema")
-    lab = d.obj("label")
-    _keys(lab, {"column", "threshold"})
-    label = Label(lab.text("column"), lab.number("threshold", optional=True))
-    dense = []
+    label = _label(d.obj("label"))
+    dense, bucketized = [], []
     for i, raw_item in enumerate(_or(d, "dense", [], lambda k: d.list(k, 4096))):
         item = d.at(f"dense[{i}]", raw_item)
-        _keys(item, {"name", "column", "transform", "fill"})
+        _keys(item, {"name", "column", "transform", "fill", "buckets", "keep_dense"})
         n = _ident(item, "name")
-        transform = _or(item, "transform", "none", lambda k: item.text(k, choices=TRANSFORMS))
+        column = _or(item, "column", n, lambda k: item.text(k, 200))
+        transform = _or(item, "transform", "none", lambda k: item.text(k, choices=TRANSFORMS + ("bucketize",)))
+        if transform == "bucketize":
+            transform = _bucketize(item, n, column, bucketized)
+            if transform is None:
+                continue
+        else:
+            for key in ("buckets", "keep_dense"):
+                if item.has(key):
+                    raise UntrustedInputError(where, item.field(key), "applies to transform: bucketize only")
         fill = item.data.get("fill", "mean" if transform == "standardize" else 0.0)
         if fill != "mean":
             fill = number(fill, where, item.field("fill"))
-        dense.append(Dense(n, _or(item, "column", n, lambda k: item.text(k, 200)), transform, fill))
+        dense.append(Dense(n, column, transform, fill))
     sparse = []
     for i, raw_item in enumerate(_or(d, "sparse", [], lambda k: d.list(k, 4096))):
         item = d.at(f"sparse[{i}]", raw_item)
         _keys(item, {"name", "column", "type", "list", "mapping", "num_embeddings", "min_count", "pooling", "separator",
                      "max_length"})  # fmt: skip
         n = _ident(item, "name")
-        kind = _or(item, "type", "string", lambda k: item.text(k, choices=ID_TYPES))
-        is_list = _or(item, "list", False, item.bool)
         mapping = _or(item, "mapping", "hash", lambda k: item.text(k, choices=MAPPINGS))
+        numeric = mapping == "bucketize"
+        kind = _or(item, "type", "number" if numeric else "string",
+                   lambda k: item.text(k, choices=("number",) if numeric else ID_TYPES))  # fmt: skip
+        is_list = _or(item, "list", False, item.bool)
         if mapping == "modulo" and kind != "int":
             raise UntrustedInputError(where, item.field("mapping"), "modulo needs integer ids (type: int); use hash or vocab")
+        if numeric and is_list:
+            raise UntrustedInputError(where, item.field("list"), "bucketize reads one number per row, not a list")
         sparse.append(Sparse(
             n, _or(item, "column", n, lambda k: item.text(k, 200)), kind, is_list, mapping,
-            item.int("num_embeddings", lo=2 if mapping == "vocab" else 1, hi=MAX_TABLE_ROWS),
+            item.int("num_embeddings", lo=3 if numeric else 2 if mapping == "vocab" else 1,
+                     hi=MAX_BUCKETS + 1 if numeric else MAX_TABLE_ROWS),
             _or(item, "min_count", 1, lambda k: item.int(k, lo=1, hi=1 << 62)),
             _or(item, "pooling", "sum", lambda k: item.text(k, choices=POOLINGS)),
             _or(item, "separator", "|", lambda k: item.text(k, 8)),
             item.int("max_length", lo=1, hi=1 << 20, optional=True),
         ))  # fmt: skip
+    sparse += bucketized  # a bucketized dense feature's table comes after the id features
     if not dense:
-        raise UntrustedInputError(where, "dense", "needs at least one dense feature (the DLRM's bottom MLP reads them)")
+        raise UntrustedInputError(where, "dense", "needs at least one dense feature (the DLRM's bottom MLP reads them; "
+                                  "a bucketized one with keep_dense: true counts)")  # fmt: skip
     if not sparse:
-        raise UntrustedInputError(where, "sparse", "needs at least one sparse feature (an id column)")
+        raise UntrustedInputError(where, "sparse", "needs at least one sparse feature (an id column, or a bucketized number)")
     for kind, features in (("dense", dense), ("sparse", sparse)):
         names = [f.name for f in features]
         dup = next((n for n in names if names.count(n) > 1), None)
         if dup is not None:
-            raise UntrustedInputError(where, kind, f"the name {dup} is used twice")
+            also = " (a bucketized dense feature is also a sparse feature of its name)" if kind == "sparse" else ""
+            raise UntrustedInputError(where, kind, f"the name {dup} is used twice{also}")
     split = None
     s = d.obj("split", optional=True)
     if s is not None:
@@ -222,6 +247,48 @@ def parse_schema(raw: Any, where: str) -> Schema:
     if not header and columns is None:
         raise UntrustedInputError(where, "columns", "a file without a header (header: false) needs its columns named here")
     return Schema(name, label, tuple(dense), tuple(sparse), split, delimiter, header, columns)
+
+
+def _label(lab: Fields) -> Label:
+    _keys(lab, {"column", "threshold", "positive"})
+    column, threshold = lab.text("column"), lab.number("threshold", optional=True)
+    if not lab.has("positive"):
+        return Label(column, threshold)
+    if threshold is not None:
+        raise UntrustedInputError(lab.file, lab.field("positive"), "give threshold or positive, not both")
+    values = lab.list("positive", MAX_POSITIVE)
+    if not values:
+        raise UntrustedInputError(lab.file, lab.field("positive"), "needs at least one value that counts as 1")
+    out: list[Union[str, int, float]] = []
+    for i, v in enumerate(values):
+        if isinstance(v, str):
+            out.append(text(v, lab.file, f"{lab.field('positive')}[{i}]", 200))
+        elif type(v) in (int, float):
+            out.append(v if type(v) is int else number(v, lab.file, f"{lab.field('positive')}[{i}]"))
+        else:
+            raise UntrustedInputError(lab.file, f"{lab.field('positive')}[{i}]",
+                                      f"must be text or a number (quote it in the YAML), got {shown(v)}")  # fmt: skip
+    return Label(column, None, tuple(out))
+
+
+def _bucketize(item: Fields, name: str, column: str, bucketized: list) -> Optional[str]:
+    """A dense feature's ``transform: bucketize``: its bucket as a sparse feature (appended to
+    ``bucketized``); the transform of the value kept as a dense input (``keep_dense``), or None."""
+    buckets = _or(item, "buckets", DEFAULT_BUCKETS, lambda k: item.int(k, lo=2, hi=MAX_BUCKETS))
+    keep = item.data.get("keep_dense", False)
+    if keep is True:
+        keep = "standardize"
+    elif keep is False or keep is None:
+        keep = None
+    elif not isinstance(keep, str) or keep not in TRANSFORMS:
+        raise UntrustedInputError(item.file, item.field("keep_dense"),
+                                  f"must be true, false or a transform for the kept value ({', '.join(TRANSFORMS)}), "
+                                  f"got {shown(keep)}")  # fmt: skip
+    if keep is None and item.has("fill"):
+        raise UntrustedInputError(item.file, item.field("fill"), "a missing value has a bucket of its own; fill applies "
+                                  "to the value kept with keep_dense")  # fmt: skip
+    bucketized.append(Sparse(name, column, "number", False, "bucketize", buckets + 1))
+    return keep
 
 
 def _bound(s: Fields, key: str) -> Any:

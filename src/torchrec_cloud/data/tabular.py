@@ -214,9 +214,15 @@ class Input:
     def _roles(self) -> list[tuple[str, str, Any]]:
         number = lambda t: pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_decimal(t)  # noqa: E731
         text = lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)  # noqa: E731
-        out = [(self.schema.label.column, "the label (numbers)", number)]
+        if self.schema.label.positive is None:
+            out = [(self.schema.label.column, "the label (numbers)", number)]
+        else:
+            out = [(self.schema.label.column, "the label (text or numbers)", lambda t: text(t) or number(t))]
         out += [(f.column, f"dense feature {f.name} (numbers)", number) for f in self.schema.dense]
         for f in self.schema.sparse:
+            if f.mapping == "bucketize":
+                out.append((f.column, f"bucketized feature {f.name} (numbers)", number))
+                continue
             ids = pa.types.is_integer if f.type == "int" else (lambda t: text(t) or pa.types.is_integer(t))
             if f.list:
                 out.append((f.column, f"list feature {f.name} (lists of {f.type} ids, or text split at {f.separator!r})",

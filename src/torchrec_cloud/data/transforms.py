@@ -1,11 +1,13 @@
 """Raw rows to model inputs: the one conversion that preprocessing writes into shards and that
 ``predict`` applies to raw rows, so a score never sees another transform than training did::
 
-    t = Transforms(schema, vocabularies, dense_stats)
+    t = Transforms(schema, vocabularies, dense_stats, boundaries)
     encoded = t.encode(table, source)          # table: pyarrow rows of the schema's columns
     encoded.records["dense"], encoded.lists[0] # float32 [B, D]; (offsets, ids) of a list feature
 
-- Label: a 0/1 (or true/false) column, or ``value >= threshold`` of a numeric one.
+- Label: a 0/1 (or true/false) column, ``value >= threshold`` of a numeric one, or 1 where
+  the value is one of ``positive`` (text equal to a text value, or a number equal to a
+  numeric one; a number written as text in a CSV compares as its number) and 0 otherwise.
 - Dense: a missing value (empty, null, NaN) gets ``fill`` (a number, or the training rows'
   mean), then ``none``, ``log1p`` (``log(1 + max(x, 0))``) or ``standardize`` (``(x - mean) /
   std``, with the training rows' statistics), as float32. A value that is not finite then
@@ -15,6 +17,9 @@
   among training ids seen at least ``min_count`` times; row 0 for every other id, seen or
   not) or ``modulo`` (an integer id modulo the table size). A missing single id is -1 in a
   record (no id: an empty bag); a list's missing entries are dropped.
+- A bucketized number (``mapping: bucketize``) to its bucket's row
+  (:func:`~torchrec_cloud.data.buckets.bucket_rows` with the training rows' boundaries): row 0
+  for a missing value, else 1 + the number of boundaries at or below it.
 
 A value that does not convert (text in a numeric column, a missing or non-0/1 label, a
 missing split key) makes its row bad: :meth:`Transforms.encode` lists bad rows with the
@@ -31,6 +36,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import xxhash
 
+from torchrec_cloud.data.buckets import bucket_rows
 from torchrec_cloud.data.schema import Schema, Sparse, Split
 from torchrec_cloud.untrusted import shown
 
@@ -125,6 +131,8 @@ def _not_finite(col: _Column, infinite: np.ndarray, name: str, transform: str) -
 
 def _label(column: Any, schema: Schema) -> _Column:
     name, threshold = schema.label.column, schema.label.threshold
+    if schema.label.positive is not None:
+        return _label_of_values(column, name, schema.label.positive)
     arr = _texts(column)
     if threshold is None and (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
         lowered = pc.utf8_lower(arr)
@@ -182,6 +190,38 @@ def int_ids(values: pa.Array, f: Sparse) -> tuple[pa.Array, np.ndarray, Any]:
     return pc.cast(values, pa.int64()), bad, reason
 
 
+def _label_of_values(column: Any, name: str, positive: Sequence[Any]) -> _Column:
+    """1 where the value is one of ``positive``, 0 for every other value present; a missing
+    value is a bad row."""
+    arr = _texts(column)
+    if pa.types.is_dictionary(arr.type):
+        arr = arr.dictionary_decode()
+    texts = [v for v in positive if isinstance(v, str)]
+    numbers = [float(v) for v in positive if not isinstance(v, str)]
+    missing = pc.is_null(arr).to_numpy(zero_copy_only=False)
+    hit = np.zeros(len(arr), bool)
+    if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
+        if texts:
+            hit |= pc.fill_null(pc.is_in(arr, pa.array(texts, arr.type)), False).to_numpy(zero_copy_only=False)
+        as_numbers = _numbers_or_null(arr)
+    elif pa.types.is_boolean(arr.type) or pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type) or pa.types.is_decimal(arr.type):
+        as_numbers = pc.cast(arr, pa.float64())
+        numbers += [float(v) for v in texts if _is_number_text(v)]  # a number written as text in the schema
+    else:
+        return _Column(None, np.ones(len(arr), bool), lambda i: f"column {name} holds {arr.type}, not labels")
+    if numbers:
+        hit |= pc.fill_null(pc.is_in(as_numbers, pa.array(numbers, pa.float64())), False).to_numpy(zero_copy_only=False)
+    return _Column(hit.astype(np.int32), missing, lambda i: f"column {name}: the label is missing")
+
+
+def _is_number_text(value: str) -> bool:
+    try:
+        float(value)
+        return True
+    except ValueError:
+        return False
+
+
 def _ids_of_values(values: pa.Array, f: Sparse, vocab: Optional[dict]) -> tuple[np.ndarray, np.ndarray, Any]:
     """Table rows of flat id ``values`` (-1 where missing), the bad entries, and why."""
     n = len(values)
@@ -233,11 +273,14 @@ class Transforms:
     """A schema with the statistics preprocessing found: vocabularies and dense moments.
 
     ``vocabularies``: feature name -> its ids in row order (row i + 1); ``dense_stats``:
-    feature name -> ``{"mean", "std"}`` (standardize, or a ``mean`` fill). ``table_sizes``:
+    feature name -> ``{"mean", "std"}`` (standardize, or a ``mean`` fill); ``boundaries``:
+    a bucketized feature's name -> its increasing boundaries (none yet: one bucket). ``table_sizes``:
     the rows of each sparse feature's table (a vocabulary's size plus its row 0)."""
 
-    def __init__(self, schema: Schema, vocabularies: dict[str, list], dense_stats: dict[str, dict[str, float]]) -> None:
+    def __init__(self, schema: Schema, vocabularies: dict[str, list], dense_stats: dict[str, dict[str, float]],
+                 boundaries: Optional[dict[str, Sequence[float]]] = None) -> None:  # fmt: skip
         self.schema = schema
+        self.boundaries = {name: np.asarray(b, np.float64) for name, b in (boundaries or {}).items()}
         self.vocab = {name: {v: i + 1 for i, v in enumerate(values)} for name, values in vocabularies.items()}
         self.dense_stats = dense_stats
         self.table_sizes = [len(vocabularies[f.name]) + 1 if f.mapping == "vocab" else f.num_embeddings
@@ -334,6 +377,13 @@ class Transforms:
         singles, lists = [], []
         for f in self.schema.sparse:
             vocab = self.vocab.get(f.name)
+            if f.mapping == "bucketize":
+                col = _numbers(table.column(f.column), f.column)
+                if col.values is None:
+                    raise TypeError(f"column {f.column} holds {table.column(f.column).type}, not numbers")
+                singles.append(bucket_rows(col.values, self.boundaries.get(f.name, np.zeros(0))))
+                checks.append((col.bad, col.reason))
+                continue
             if not f.list:
                 rows, bad, reason = _ids_of_values(_texts(table.column(f.column)), f, vocab)
                 singles.append(rows)

@@ -260,7 +260,8 @@ class RawRows:
         if spec["table_sizes"] != cfg.model.table_sizes:
             raise UntrustedInputError(where, "transforms.table_sizes",
                                       f"{spec['table_sizes']} differ from the model's tables {cfg.model.table_sizes}")  # fmt: skip
-        self.transforms = Transforms(schema, read_vocabularies(model_dir, spec["vocab"], where), spec["dense_stats"])
+        self.transforms = Transforms(schema, read_vocabularies(model_dir, spec["vocab"], where), spec["dense_stats"],
+                                     spec["boundaries"])  # fmt: skip
         self.path, self.batch_size, self.on_bad_line = path, batch_size, on_bad_line
         self.skipped, self.examples = 0, []
         probe = Input(path, schema, columns=[])
