@@ -275,10 +275,14 @@ class Checkpointer:
     problem is a :class:`ConfigError` naming the flag, before a single training step.
     """
 
-    def __init__(self, cfg: JobConfig, env, sink) -> None:
+    def __init__(self, cfg: JobConfig, env, sink, pinned: Optional[dict[str, str]] = None) -> None:
+        """``pinned``: the transforms of the data this run trains on (kind and digest, rank
+        0's; ``data.dataset.PINNED``), recorded in every COMMIT.json it writes: what ``export``
+        checks a dataset's transforms against."""
         from torchrec_cloud import comm
 
         self.cfg = cfg
+        self.pinned = pinned
         self.ck = cfg.checkpoint
         self.env = env
         self.sink = sink
@@ -642,6 +646,8 @@ class Checkpointer:
             "config": self.cfg.to_dict(),
             "owner": self.owner,
         }
+        if self.pinned is not None:
+            commit["pinned_transforms"] = self.pinned
         written = files_writer.file_checksums()
         if written is not None:
             commit["checksums"] = _checksums(path, files, written)

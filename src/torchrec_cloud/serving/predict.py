@@ -44,12 +44,18 @@ from torchrec_cloud.serving import (
 )
 
 SPLITS = ("val", "test", "all")
+BAD_ROW_HINT = "fix the row, or leave it out of the file"
+"""What a row that does not convert asks of the user (predict takes no --on_bad_line)."""
 
 
-def eval_source(cfg: JobConfig, batch_size: int, split: str = "val"):
+def eval_source(cfg: JobConfig, batch_size: int, split: str = "val", pinned: Optional[dict[str, str]] = None,
+                owner: str = "the model"):  # fmt: skip
     """A one-process reader of ``cfg``'s held-out data: its ``--dataset_path`` shards, or,
     without one, its synthetic data (the same rows training evaluated on). Only ``split``
-    (``all``: every split) must have rows."""
+    (``all``: every split) must have rows. A dataset's transforms must be those ``owner`` was
+    trained with, ``pinned`` (:func:`~torchrec_cloud.serving.check_pinned`)."""
+    from torchrec_cloud.serving import check_pinned
+
     cfg.data.batch_size = batch_size
     if cfg.data.dataset_path is None:
         from torchrec_cloud.data.synthetic import SyntheticSource
@@ -60,13 +66,16 @@ def eval_source(cfg: JobConfig, batch_size: int, split: str = "val"):
     from torchrec_cloud.data.reader import SchemaSource
 
     needed = ("train", "val", "test") if split == "all" else (split,)
+    hint = "score the data it trained on, or data made with the same transforms"
     if is_file(cfg.data.dataset_path):
+        check_pinned(pinned, cfg.data.dataset_path, None, cfg.model.table_sizes, owner, hint)
         return CriteoTSV(cfg.data.dataset_path, batch_size=batch_size, table_sizes=cfg.model.table_sizes,
                          dense_transform=cfg.data.dense_transform, multi_hot_sizes=cfg.data.multi_hot_sizes,
                          multi_hot_pooling=cfg.data.multi_hot_pooling, seed=cfg.data.seed)  # fmt: skip
 
     try:
         manifest = read_manifest(cfg.data.dataset_path)
+        check_pinned(pinned, cfg.data.dataset_path, manifest, cfg.model.table_sizes, owner, hint)
         if is_schema_dataset(manifest):
             ds = load_dataset(cfg.data.dataset_path, manifest)
             if ds.table_sizes != cfg.model.table_sizes or [f.name for f in ds.schema.sparse] != cfg.model.sparse_names:
@@ -184,16 +193,20 @@ def predict(
 
     if split not in SPLITS:
         raise ConfigError("split", f"expected one of {', '.join(SPLITS)}, got {split!r}")
+    from torchrec_cloud.data.dataset import PINNED, pinned_of
+
     config = read_model_config(model_dir)
-    cfg = saved_job_config(config, storage.join(model_dir, CONFIG_FILE))
+    where = storage.join(model_dir, CONFIG_FILE)
+    cfg = saved_job_config(config, where)
+    pinned = pinned_of(config.get(PINNED), where)
     scorer = load_scorer(model_dir, config["files"][SCORER_FILE])
     labelled = True
     if input is not None and "transforms" in config:
-        source = RawRows(config, model_dir, input, batch_size, cfg)
+        source = RawRows(config, model_dir, input, batch_size, cfg, pinned)
         labelled, split = source.labelled, "file"
     else:
         cfg.data.dataset_path = input if input is not None else dataset_path
-        source = eval_source(cfg, batch_size, split)
+        source = eval_source(cfg, batch_size, split, pinned, f"the model in {model_dir}")
     if isinstance(source, CriteoTSV):
         split = "file"
     (logits,), labels, seconds = score([scorer], split_batches(source, split), None, progress, split_rows(source, split))
@@ -221,8 +234,9 @@ class RawRows:
     read (:func:`~torchrec_cloud.data.reader.batch_of`). A row that does not convert stops
     with FILE:LINE and the column; rows without the label column are scored unlabelled."""
 
-    def __init__(self, config: dict[str, Any], model_dir: str, path: str, batch_size: int, cfg: JobConfig) -> None:
-        from torchrec_cloud.data.dataset import check_transforms, read_vocabularies
+    def __init__(self, config: dict[str, Any], model_dir: str, path: str, batch_size: int, cfg: JobConfig,
+                 pinned: Optional[dict[str, str]]) -> None:  # fmt: skip
+        from torchrec_cloud.data.dataset import PINNED, check_transforms, read_vocabularies, short, transforms_digest
         from torchrec_cloud.data.schema import parse_schema
         from torchrec_cloud.data.tabular import Input
         from torchrec_cloud.data.transforms import Transforms
@@ -233,6 +247,13 @@ class RawRows:
         if spec["table_sizes"] != cfg.model.table_sizes:
             raise UntrustedInputError(where, "transforms.table_sizes",
                                       f"{spec['table_sizes']} differ from the model's tables {cfg.model.table_sizes}")  # fmt: skip
+        # The transforms loaded are those export pinned (the training dataset's): a folder
+        # whose schema, statistics or vocabularies were replaced since scores nothing.
+        digest = transforms_digest(schema, config["transforms"])
+        if pinned is None or pinned["digest"] != digest:
+            recorded = f"digest {short(pinned['digest'])}" if pinned is not None else f"no {PINNED}"
+            raise ServingError(f"{where}: its transforms have digest {short(digest)}, the model was trained with "
+                               f"{recorded} (altered since export): export the checkpoint again")  # fmt: skip
         self.transforms = Transforms(schema, read_vocabularies(model_dir, spec["vocab"], where), spec["dense_stats"])
         self.path, self.batch_size = path, batch_size
         probe = Input(path, schema, columns=[])
@@ -253,19 +274,19 @@ class RawRows:
             for first, table in self.input.batches():
                 if self.input.bad_lines:
                     line, reason = self.input.bad_lines[0]
-                    raise BadRowError(self.path, line, reason)
+                    raise BadRowError(self.path, line, reason, BAD_ROW_HINT)
                 enc = t.encode(table, None, labelled=self.labelled)
                 if enc.bad_count:
                     row, reason = min(enc.bad.items())
                     where = self.input.where(first + row)
-                    raise BadRowError(where.rsplit(":", 1)[0], int(where.rsplit(":", 1)[1]), reason)
+                    raise BadRowError(where.rsplit(":", 1)[0], int(where.rsplit(":", 1)[1]), reason, BAD_ROW_HINT)
                 rows = Rows(enc.records, enc.lists)
                 for lo in range(0, len(rows), bs):
                     part = rows.slice(lo, min(lo + bs, len(rows)))
                     yield batch_of(part, self.keys, self.singles, self.lists, self.table_sizes, self.path), len(part)
             if self.input.bad_lines:
                 line, reason = self.input.bad_lines[0]
-                raise BadRowError(self.path, line, reason)
+                raise BadRowError(self.path, line, reason, BAD_ROW_HINT)
         except TypeError as e:  # a Parquet column of a type the schema cannot read
             raise ServingError(f"{self.path}: {e} (the file and the model's schema disagree)") from None
         except ValueError as e:
