@@ -224,3 +224,22 @@ def test_an_unquoted_date_bound_is_that_date():
     unquoted = split("val_from: 2024-03-01, test_from: 2024-03-02 12:00:00")
     quoted = split("val_from: '2024-03-01', test_from: '2024-03-02T12:00:00'")
     assert unquoted == quoted and unquoted.val_from == "2024-03-01"
+
+
+def test_resuming_on_other_transforms_says_so_and_pins_the_new_ones(pinned, tmp_path):
+    """The same tables, other statistics (the dataset rebuilt from other rows): the resume is
+    allowed, with a warning naming both digests, and its checkpoints pin the new transforms."""
+    from torchrec_cloud.checkpoint import CheckpointWarning
+
+    data = tmp_path / "data"
+    shutil.copytree(pinned / "data", data)
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["transforms"]["dense_stats"]["views"]["mean"] += 1.0
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    step = next((pinned / "ck").glob("step_*"))
+    with pytest.warns(CheckpointWarning, match="transforms have digest") as caught:
+        train(parse_job_config(["--dataset_path", str(data), *MODEL, "--num_epochs", "1", "--resume_from", str(step),
+                                "--checkpoint_path", str(tmp_path / "ck"), "--output_dir", str(tmp_path / "run")]))  # fmt: skip
+    old = commit_of(pinned / "ck")[1]["pinned_transforms"]["digest"]
+    new = commit_of(tmp_path / "ck")[1]["pinned_transforms"]["digest"]
+    assert new != old and any(old[:16] in str(w.message) and new[:16] in str(w.message) for w in caught)

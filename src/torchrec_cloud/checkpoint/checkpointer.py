@@ -299,6 +299,8 @@ class Checkpointer:
         self.owner: Optional[str] = _agree(env, self._find_owner, "checkpoint_path") if self.root is not None else None
         if self.resume_target is not None:
             self._check_compatible(self.resume_target)
+            if env.rank == 0:
+                self._warn_other_transforms(self.resume_target)
             if self.resume_target.commit is not None:
                 self._save_seconds = self.resume_target.commit.get("seconds")
         self.last_step: Optional[int] = self.resume_target.step if self.resume_target is not None else None
@@ -439,6 +441,17 @@ class Checkpointer:
             return
         flag = "resume_from" if self.ck.resume_from else "checkpoint_path"
         raise ConfigError(flag, f"{info.path} was written for a different model: {diffs}")
+
+    def _warn_other_transforms(self, info: CheckpointInfo) -> None:
+        """Resuming on data whose transforms differ from the checkpoint's (a dataset rebuilt,
+        another day's vocabularies) is allowed, but every id may now reach another row: say so.
+        The checkpoints this run writes record its own data's transforms."""
+        saved = (info.commit or {}).get("pinned_transforms")
+        if not isinstance(saved, dict) or self.pinned is None or saved.get("digest") == self.pinned["digest"]:
+            return
+        warnings.warn(f"{info.path} was trained on data whose transforms have digest {shown(str(saved.get('digest')))[:16]}; "
+                      f"this run's have {self.pinned['digest'][:16]} (its ids may reach other rows of the tables); "
+                      "the checkpoints it writes record this run's", CheckpointWarning, stacklevel=2)  # fmt: skip
 
     # -- resume
 
