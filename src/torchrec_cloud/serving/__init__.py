@@ -16,7 +16,8 @@ A model directory (a local folder or a bucket URL)::
     vocab/NAME.json     a schema's dataset only: the vocabularies scoring raw rows needs
     model_config.json   written last: format, model config, feature spec, source checkpoint,
                         quantization and what it costs in AUC; for a schema's dataset its
-                        schema and transforms (table sizes, vocabulary files, dense statistics)
+                        schema and transforms (table sizes, vocabulary files, dense statistics);
+                        the digest of the transforms it trained with (``pinned_transforms``)
 
 See docs/serving.md.
 """

@@ -13,6 +13,12 @@ the ranks' files as they were saved.
 With ``--quantize fp16|int8`` the tables of the scoring module are quantized and the AUC
 it costs is measured on the run's validation split (its own synthetic data, its
 ``--dataset_path``, or the one given here) and printed.
+
+A model of a schema's dataset carries that dataset's transforms (schema, vocabularies, dense
+statistics), taken only from a dataset whose transforms have the digest the checkpoint
+recorded when it trained (``pinned_transforms`` in COMMIT.json): the folder COMMIT.json
+names, or ``--dataset_path``, is checked, never trusted (docs/data.md, "Transforms pinned to
+the model").
 """
 
 from __future__ import annotations
@@ -328,8 +334,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--quantize", choices=QUANTIZE, default="none", help="store the scoring module's tables as fp16 or row-wise int8"
     )
     parser.add_argument(
-        "--dataset_path", default=None, help="data to measure the quantization's AUC change on (default: the run's own)"
-    )
+        "--dataset_path", default=None,
+        help="the dataset it trained on, if moved (its transforms' digest must be the checkpoint's); "
+             "the quantization's AUC change is measured on it (default: the run's own)",
+    )  # fmt: skip
     parser.add_argument("--eval_rows", type=int, default=1_000_000, help="validation rows to measure it on, at most")
     parser.add_argument("--json", action="store_true", help="print the model config as one JSON object")
     return parser

@@ -7,8 +7,8 @@ preprocessed dataset, with an exported model, one click probability per row::
 
 ``--input`` is one raw file: Parquet or CSV/TSV of a model trained on a schema's dataset,
 converted by the same transforms preprocessing applied (the schema, vocabularies and dense
-statistics that ``export`` put in the model folder; an id never seen in training goes to its
-table's out-of-vocabulary row), or a raw Criteo TSV (plain or ``.gz``) for a Criteo model,
+statistics that ``export`` put in the model folder, checked against the digest export
+recorded; an id never seen in training goes to its table's out-of-vocabulary row), or a raw Criteo TSV (plain or ``.gz``) for a Criteo model,
 through preprocessing's parser with the model's table sizes. Either way its rows are exactly
 what training read from shards made of it, so the AUC equals that evaluation's.
 ``--dataset_path`` scores a split of preprocessed shards (a raw Criteo file there works too,
