@@ -40,6 +40,7 @@ from torchrec_cloud.checkpoint import Checkpointer, Position
 from torchrec_cloud.config import ConfigError, JobConfig, add_config_flags, config_from_args
 from torchrec_cloud.data import DataSource, build_data_source, with_dataset_features
 from torchrec_cloud.data.prefetch import EpochsAhead, TrainFeed
+from torchrec_cloud.data.dataset import PINNED
 from torchrec_cloud.distributed import Env, init_distributed, plan_summary
 from torchrec_cloud.errors import CommandError
 from torchrec_cloud.evaluation import evaluate
@@ -58,10 +59,13 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
     if env.is_main:  # only rank 0 writes there
         cfg = _in_run_folder(cfg)
     source = source or build_data_source(cfg, env.rank, env.world_size)
+    # A dataset's vocabularies checked against its manifest, and the digest of its transforms
+    # that every checkpoint records, before anything is built.
+    facts = _data_facts(source, env)
     bar_shown = env.is_main and cfg.output.progress and sys.stdout.isatty() and sys.stderr.isatty()
     sink = build_sinks(cfg, env, train_lines=not bar_shown)
     # Storage access and the checkpoint to resume are checked before anything is built.
-    checkpoints = Checkpointer(cfg, env, sink)
+    checkpoints = Checkpointer(cfg, env, sink, pinned=facts.get(PINNED))
     report_run(checkpoints.root)  # the launcher says which checkpoint a restart resumes from
     # SIGTERM: finish the step, save if the grace allows, stop
     preemption = Preemption(checkpoints.enabled, cfg.train.stop_stall_s, cfg.train.sigterm_grace_s)
@@ -74,7 +78,6 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
         where = f"{env.world_size} rank{'s' if env.world_size > 1 else ''}, {env.device.type}, collectives: {trainer.collectives}"
         print(plan_summary(trainer.plan, f"sharding plan ({where})"), flush=True)
 
-    facts = source.facts() if env.is_main else {}
     batches_per_epoch = source.num_train_batches()
     total_steps = cfg.train.num_epochs * batches_per_epoch
     sink.log(_start_record(cfg, env, trainer, facts, total_steps))
@@ -177,6 +180,24 @@ def _in_run_folder(cfg: JobConfig) -> JobConfig:
     if note:
         print(note, flush=True)
     return dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, output_dir=str(folder)))
+
+
+def _data_facts(source: DataSource, env: Env) -> dict[str, Any]:
+    """What the data source says about its data, on rank 0 (for the start record; for a
+    dataset, the transforms checkpoints pin, once its vocabularies match the manifest); a
+    problem there stops every rank with one line (the others would wait in a collective)."""
+    facts, problem = {}, None
+    if env.is_main:
+        try:
+            facts = source.facts()
+        except ConfigError as e:
+            problem = (e.flag, str(e).removeprefix(f"--{e.flag}: "))
+        except CommandError as e:
+            problem = ("dataset_path", str(e))
+    problem = comm.broadcast_object(problem)
+    if problem is not None:
+        raise ConfigError(*problem)
+    return facts
 
 
 def _start_record(cfg: JobConfig, env: Env, trainer: Trainer, facts: dict[str, Any], total_steps: int) -> dict[str, Any]:

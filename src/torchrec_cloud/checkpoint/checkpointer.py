@@ -275,10 +275,14 @@ class Checkpointer:
     problem is a :class:`ConfigError` naming the flag, before a single training step.
     """
 
-    def __init__(self, cfg: JobConfig, env, sink) -> None:
+    def __init__(self, cfg: JobConfig, env, sink, pinned: Optional[dict[str, str]] = None) -> None:
+        """``pinned``: the transforms of the data this run trains on (kind and digest, rank
+        0's; ``data.dataset.PINNED``), recorded in every COMMIT.json it writes: what ``export``
+        checks a dataset's transforms against."""
         from torchrec_cloud import comm
 
         self.cfg = cfg
+        self.pinned = pinned
         self.ck = cfg.checkpoint
         self.env = env
         self.sink = sink
@@ -295,6 +299,8 @@ class Checkpointer:
         self.owner: Optional[str] = _agree(env, self._find_owner, "checkpoint_path") if self.root is not None else None
         if self.resume_target is not None:
             self._check_compatible(self.resume_target)
+            if env.rank == 0:
+                self._warn_other_transforms(self.resume_target)
             if self.resume_target.commit is not None:
                 self._save_seconds = self.resume_target.commit.get("seconds")
         self.last_step: Optional[int] = self.resume_target.step if self.resume_target is not None else None
@@ -435,6 +441,17 @@ class Checkpointer:
             return
         flag = "resume_from" if self.ck.resume_from else "checkpoint_path"
         raise ConfigError(flag, f"{info.path} was written for a different model: {diffs}")
+
+    def _warn_other_transforms(self, info: CheckpointInfo) -> None:
+        """Resuming on data whose transforms differ from the checkpoint's (a dataset rebuilt,
+        another day's vocabularies) is allowed, but every id may now reach another row: say so.
+        The checkpoints this run writes record its own data's transforms."""
+        saved = (info.commit or {}).get("pinned_transforms")
+        if not isinstance(saved, dict) or self.pinned is None or saved.get("digest") == self.pinned["digest"]:
+            return
+        warnings.warn(f"{info.path} was trained on data whose transforms have digest {shown(str(saved.get('digest')))[:16]}; "
+                      f"this run's have {self.pinned['digest'][:16]} (its ids may reach other rows of the tables); "
+                      "the checkpoints it writes record this run's", CheckpointWarning, stacklevel=2)  # fmt: skip
 
     # -- resume
 
@@ -642,6 +659,8 @@ class Checkpointer:
             "config": self.cfg.to_dict(),
             "owner": self.owner,
         }
+        if self.pinned is not None:
+            commit["pinned_transforms"] = self.pinned
         written = files_writer.file_checksums()
         if written is not None:
             commit["checksums"] = _checksums(path, files, written)

@@ -199,28 +199,33 @@ def cmd_schema(ns: argparse.Namespace) -> int:
 
 def cmd_verify(ns: argparse.Namespace) -> int:
     from torchrec_cloud.data.criteo_format import load_manifest, verify_shards
-    from torchrec_cloud.data.dataset import is_schema_dataset, load_dataset, read_manifest, verify_files
+    from torchrec_cloud.data.dataset import check_vocabularies, is_schema_dataset, load_dataset, read_manifest, verify_files
     from torchrec_cloud.errors import CommandError
 
+    vocab_problems: list[str] = []
+    vocabularies = ""
     try:
         raw = read_manifest(ns.path)
         if is_schema_dataset(raw):
             ds = load_dataset(ns.path, raw, check_files=False)
             report = verify_files(ns.path, ds.shards)
+            vocab_problems = check_vocabularies(ns.path, ds.vocab_files, ds.manifest_url)
+            vocabularies = f" and {counted(len(ds.vocab_files), 'vocabulary file')}" if ds.vocab_files else ""
         else:
             report = verify_shards(ns.path, load_manifest(ns.path))
     except ConfigError as e:  # no manifest, or not ours: what --dataset_path would say, without the flag
         raise CommandError(str(e).removeprefix(f"--{e.flag}: ")) from None
-    for problem in report["problems"]:
+    for problem in report["problems"] + vocab_problems:
         print(f"torchrec-cloud data verify: error: {problem}", file=sys.stderr)
     if report["problems"]:
         print(f"{len(report['problems'])} of {counted(report['shards'], 'shard')} under {ns.path} are damaged or missing; "
               "preprocess again, or copy them again", file=sys.stderr)  # fmt: skip
+    if report["problems"] or vocab_problems:
         return 1
     unchecked = report["shards"] - report["checked"]
     note = f"; {unchecked} have no checksum in the manifest (sizes checked only)" if unchecked else ""
-    print(f"ok: {counted(report['shards'], 'shard')}, {report['bytes']:,} bytes under {ns.path} match their "
-          f"manifest{note}")
+    print(f"ok: {counted(report['shards'], 'shard')}, {report['bytes']:,} bytes{vocabularies} under {ns.path} match "
+          f"their manifest{note}")
     return 0
 
 

@@ -25,18 +25,19 @@ class PreprocessError(CommandError, RuntimeError):
     """Input that cannot be converted (bad line, empty or truncated file)."""
 
 
-class BadLineError(PreprocessError):
-    """A malformed line; the message starts with ``FILE:LINE:``."""
+SKIP_HINT = "fix the line, or pass --on_bad_line skip to leave such lines out"
 
-    def __init__(self, path: str, line: int, reason: str) -> None:
-        super().__init__(
-            f"{path}:{line}: {reason} (fix the line, or pass --on_bad_line skip to leave "
-            "such lines out)"
-        )
-        self.path, self.line, self.reason = path, line, reason
+
+class BadLineError(PreprocessError):
+    """A malformed line; the message starts with ``FILE:LINE:`` and ends with what to do
+    (``hint``: the command's own, when it takes no ``--on_bad_line``)."""
+
+    def __init__(self, path: str, line: int, reason: str, hint: str = SKIP_HINT) -> None:
+        super().__init__(f"{path}:{line}: {reason} ({hint})")
+        self.path, self.line, self.reason, self.hint = path, line, reason, hint
 
     def __reduce__(self) -> Any:  # crosses process boundaries intact
-        return (BadLineError, (self.path, self.line, self.reason))
+        return (type(self), (self.path, self.line, self.reason, self.hint))
 
 
 

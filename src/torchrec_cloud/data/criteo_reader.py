@@ -114,8 +114,11 @@ class CriteoSource(ShardSource):
         return self._batch(rows.records, rows.shift, key)
 
     def facts(self) -> dict:
-        """The start record names the schema: Criteo's built-in one."""
-        return {"schema": {"name": "criteo"}}
+        """The start record names the schema, Criteo's built-in one, and the transforms a
+        checkpoint pins: ids modulo the model's table sizes."""
+        from torchrec_cloud.data.dataset import PINNED, criteo_digest
+
+        return {"schema": {"name": "criteo"}, PINNED: {"kind": "criteo", "digest": criteo_digest(self.table_sizes)}}
 
     # -- records to a Batch ----------------------------------------------------------------
 

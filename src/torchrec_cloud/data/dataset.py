@@ -25,6 +25,8 @@ list features.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -307,9 +309,69 @@ class Dataset:
     def manifest_url(self) -> str:
         return storage.join(self.path, MANIFEST)
 
+    @property
+    def digest(self) -> str:
+        """The digest of the transforms that made the shards (:func:`transforms_digest`)."""
+        return transforms_digest(self.schema, self.manifest["transforms"])
+
     def facts(self) -> dict[str, Any]:
-        """What the run's ``start`` record says about the data: the schema and its digest."""
-        return {"schema": {"name": self.schema.name, "digest": self.schema.digest(), "rows": self.manifest["rows"]}}
+        """What the run's ``start`` record says about the data: the schema and its digest, and
+        the transforms a checkpoint pins (``pinned_transforms``)."""
+        return {"schema": {"name": self.schema.name, "digest": self.schema.digest(), "rows": self.manifest["rows"]},
+                PINNED: {"kind": "schema", "digest": self.digest}}  # fmt: skip
+
+
+PINNED = "pinned_transforms"
+"""The key of the transforms a model was trained with (``{"kind", "digest"}``) in a run's
+start record, a checkpoint's COMMIT.json and a model's model_config.json."""
+PIN_KINDS = ("schema", "criteo")
+
+
+def transforms_digest(schema: Schema, transforms: dict[str, Any]) -> str:
+    """The digest that pins the transforms of a dataset made from a schema to the models
+    trained on it: SHA-256 of one canonical JSON text of the schema's features with their
+    rules (label, fills, dense transforms, hash / vocab / modulo mappings, table sizes,
+    pooling, how a CSV is read) and of the whole ``transforms`` section of the manifest (or of
+    a model config, which export copies from it): table sizes, each vocabulary's checksum,
+    size and bytes, the dense statistics, and any kind of transform stored there later. Left
+    out: the schema's split (it picks rows, it transforms none; a split that changes which rows
+    train changes the vocabularies and statistics, so the digest too) and the vocabulary
+    files' paths (their checksums pin what they hold). SHA-256, not the XXH3 of the files'
+    checksums: this digest is what a checkpoint, written elsewhere, is compared with."""
+    rules = schema.to_dict()
+    rules.pop("split", None)
+    section = json.loads(json.dumps(transforms))
+    for entry in (section.get("vocab") or {}).values():
+        entry.pop("path", None)
+    return _sha256({"kind": "schema", "schema": rules, "transforms": section})
+
+
+def criteo_digest(table_sizes: Sequence[int]) -> str:
+    """The digest of Criteo's transforms for tables of ``table_sizes`` rows: its ids parsed
+    from hex and taken modulo the table sizes (when preprocessing, or when read); its dense
+    transform is the model's own (``--dense_transform``, in its config)."""
+    return _sha256({"kind": "criteo", "modulo": [int(n) for n in table_sizes]})
+
+
+def _sha256(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def pinned_of(raw: Any, where: str) -> Optional[dict[str, str]]:
+    """A recorded ``pinned_transforms`` (from a COMMIT.json or a model config), checked: None
+    when absent (a run on synthetic data or a --data_source pins none)."""
+    if raw is None:
+        return None
+    f = Fields(raw, where, PINNED)
+    digest = f.text("digest", 64)
+    if not all(c in "0123456789abcdef" for c in digest) or len(digest) != 64:
+        raise UntrustedInputError(where, f.field("digest"), f"must be 64 hex digits, got {shown(digest)}")
+    return {"kind": f.text("kind", choices=PIN_KINDS), "digest": digest}
+
+
+def short(digest: str) -> str:
+    """A digest as messages show it (its first 16 hex digits)."""
+    return digest[:16]
 
 
 def is_schema_dataset(manifest: Any) -> bool:
@@ -370,6 +432,9 @@ def check_transforms(raw: Any, schema: Schema, where: str, field: str) -> dict[s
             checksum.ALGORITHM: e.text(checksum.ALGORITHM, max_len=64),
             "size": e.int("size", hi=f.num_embeddings - 1),
         }
+        if vocab[f.name]["bytes"] < min_vocab_bytes(vocab[f.name]["size"]):
+            raise UntrustedInputError(where, e.field("size"), f"{vocab[f.name]['size']} distinct ids cannot fit in the "
+                                      f"{vocab[f.name]['bytes']} bytes its file has (altered manifest)")  # fmt: skip
         if vocab[f.name]["size"] + 1 != n:
             raise UntrustedInputError(where, t.field("table_sizes"),
                                       f"{f.name} has {n} rows, its vocabulary {vocab[f.name]['size']} ids plus row 0")  # fmt: skip
@@ -399,6 +464,29 @@ def check_boundaries(t: Fields, schema: Schema) -> dict[str, list[float]]:
             raise UntrustedInputError(t.file, where, "must increase")
         out[f.name] = values
     return out
+
+
+def min_vocab_bytes(size: int) -> int:
+    """The fewest bytes a vocabulary file of ``size`` distinct ids can take: each id at least
+    one character and a separator, so a manifest cannot claim millions of ids (and tables of
+    millions of rows) for a small file."""
+    return 2 * size
+
+
+def check_vocabularies(folder: str, entries: dict[str, dict], where: str) -> list[str]:
+    """Every vocabulary file against the manifest ``where`` (its size, checksum and count of
+    distinct ids), read whole: one line per file that is missing or differs, for ``data
+    verify`` and for ``train`` before its first step (a reversed vocabulary has the size the
+    manifest records, and would train every id on another id's row)."""
+    problems = []
+    for url, e in _vocab_files(folder, entries).values():
+        try:
+            _vocabulary(url, e, where)
+        except storage.StorageNotFoundError:
+            problems.append(f"{url}: missing (the manifest lists it); preprocess again")
+        except (UntrustedInputError, storage.StorageError) as err:
+            problems.append(f"{err}; preprocess again")
+    return problems
 
 
 def read_vocabularies(folder: str, entries: dict[str, dict], where: str) -> dict[str, list]:

@@ -26,6 +26,7 @@ from torchrec_cloud.data.dataset import (
     OFFSET_BYTES,
     Dataset,
     Rows,
+    check_vocabularies,
     is_schema_dataset,
     load_dataset,
     model_features,
@@ -115,7 +116,15 @@ class SchemaSource(ShardSource):
         return batch_of(rows, self.keys, self.singles, self.lists, self.table_sizes, self.path)
 
     def facts(self) -> dict[str, Any]:
-        return self.dataset.facts()
+        """The dataset's facts (:meth:`Dataset.facts`: the digest of its transforms, which
+        checkpoints record), once every vocabulary file matches the manifest: read whole, its
+        size, checksum and count checked (a ConfigError naming the first that does not)."""
+        ds = self.dataset
+        problems = check_vocabularies(ds.path, ds.vocab_files, ds.manifest_url)
+        if problems:
+            more = f" (and {len(problems) - 1} more: torchrec-cloud data verify lists them)" if len(problems) > 1 else ""
+            raise ConfigError("dataset_path", f"{problems[0]}{more}")
+        return ds.facts()
 
 
 def build_dataset_source(cfg: JobConfig, rank: int, world_size: int) -> ShardSource:

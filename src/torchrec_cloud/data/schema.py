@@ -22,6 +22,7 @@ docs/data.md describes every field. Criteo's layout is the built-in schema
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 from dataclasses import asdict, dataclass
@@ -293,6 +294,8 @@ def _bucketize(item: Fields, name: str, column: str, bucketized: list) -> Option
 
 def _bound(s: Fields, key: str) -> Any:
     value = s.get(key)
+    if isinstance(value, datetime.date):  # YAML reads an unquoted 2024-03-01 as a date: the same bound as quoted
+        return value.isoformat()
     if isinstance(value, str):
         return s.text(key, 200)
     if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -16,7 +16,8 @@ A model directory (a local folder or a bucket URL)::
     vocab/NAME.json     a schema's dataset only: the vocabularies scoring raw rows needs
     model_config.json   written last: format, model config, feature spec, source checkpoint,
                         quantization and what it costs in AUC; for a schema's dataset its
-                        schema and transforms (table sizes, vocabulary files, dense statistics)
+                        schema and transforms (table sizes, vocabulary files, dense statistics);
+                        the digest of the transforms it trained with (``pinned_transforms``)
 
 See docs/serving.md.
 """
@@ -26,7 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Sequence
 
 from torchrec_cloud import storage
 from torchrec_cloud.config import ConfigError, DataConfig, JobConfig, ModelConfig
@@ -119,6 +120,41 @@ def saved_job_config(saved: dict[str, Any], where: str) -> JobConfig:
         return JobConfig(model=_section(ModelConfig, saved["model"]), data=_section(DataConfig, saved.get("data") or {}))
     except (ConfigError, TypeError) as e:
         raise ServingError(f"{where}: the saved model config is unusable ({e})") from None
+
+
+def check_pinned(pinned: Optional[dict[str, str]], path: str, manifest: Any, table_sizes: Sequence[int],
+                 owner: str, hint: str) -> dict[str, str]:  # fmt: skip
+    """The transforms of the data at ``path`` are those ``owner`` (a checkpoint, a model) was
+    trained with, ``pinned`` (:data:`~torchrec_cloud.data.dataset.PINNED`): returns the data's
+    own record, else a ServingError naming both digests, and ``hint``. ``manifest`` is its
+    manifest as read (None: a raw Criteo TSV, read with the model's table sizes).
+
+    A path recorded in a checkpoint is untrusted, and a folder may have been rebuilt since:
+    only this digest decides which dataset's transforms reach a model. A schema's dataset needs
+    a pinned digest equal to its own; Criteo data one pinned by a Criteo run, or none (a model
+    of synthetic data scores Criteo rows as before: its table sizes are checked where the rows
+    are read)."""
+    from torchrec_cloud.data.dataset import criteo_digest, is_schema_dataset, load_dataset, short
+
+    if is_schema_dataset(manifest):
+        try:
+            found = {"kind": "schema", "digest": load_dataset(path, manifest, check_files=False).digest}
+        except UntrustedInputError as e:
+            raise ServingError(str(e)) from None
+    else:
+        found = {"kind": "criteo", "digest": criteo_digest(table_sizes)}
+    if pinned is None and found["kind"] == "criteo":
+        return found
+    if pinned is not None and found["digest"] == pinned["digest"]:
+        return found
+    kind = "Criteo" if found["kind"] == "criteo" else "the"
+    theirs = f"{shown(path, 200)} has {kind} transforms of digest {short(found['digest'])}"
+    if pinned is None:
+        raise ServingError(f"{theirs}; {owner} records no transforms it was trained with (synthetic data, a "
+                           "--data_source, or saved before transforms were pinned), so no dataset's can be checked "
+                           "against it: train on this dataset to score its rows")  # fmt: skip
+    raise ServingError(f"{theirs}; {owner} was trained with digest {short(pinned['digest'])}: not the data it trained "
+                       f"on (another dataset, or one rebuilt since); {hint}")  # fmt: skip
 
 
 def add_command(

@@ -13,6 +13,12 @@ the ranks' files as they were saved.
 With ``--quantize fp16|int8`` the tables of the scoring module are quantized and the AUC
 it costs is measured on the run's validation split (its own synthetic data, its
 ``--dataset_path``, or the one given here) and printed.
+
+A model of a schema's dataset carries that dataset's transforms (schema, vocabularies, dense
+statistics), taken only from a dataset whose transforms have the digest the checkpoint
+recorded when it trained (``pinned_transforms`` in COMMIT.json): the folder COMMIT.json
+names, or ``--dataset_path``, is checked, never trusted (docs/data.md, "Transforms pinned to
+the model").
 """
 
 from __future__ import annotations
@@ -58,6 +64,18 @@ def find_checkpoint(path: str) -> CheckpointInfo:
 def job_config(info: CheckpointInfo) -> JobConfig:
     """The model and data config a checkpoint was trained with (from its COMMIT.json)."""
     return saved_job_config((info.commit or {}).get("config") or {}, f"{info.path}/{COMMIT_FILE}")
+
+
+def pinned_transforms(info: CheckpointInfo) -> Optional[dict[str, str]]:
+    """The transforms the checkpoint trained with, as its COMMIT.json records them (kind and
+    digest, checked); None when it records none (synthetic data, a --data_source)."""
+    from torchrec_cloud.data.dataset import PINNED, pinned_of
+    from torchrec_cloud.untrusted import UntrustedInputError
+
+    try:
+        return pinned_of((info.commit or {}).get(PINNED), f"{info.path}/{COMMIT_FILE}")
+    except UntrustedInputError as e:
+        raise ServingError(str(e)) from None
 
 
 def check_holds_model(info: CheckpointInfo, cfg: JobConfig) -> None:
@@ -156,14 +174,14 @@ def _module_bytes(module: torch.jit.ScriptModule) -> bytes:
     return buffer.getvalue()
 
 
-def quantization_cost(
-    fp32: torch.jit.ScriptModule, quantized: torch.jit.ScriptModule, cfg: JobConfig, max_rows: int
-) -> dict[str, Any]:
-    """AUC and log loss of both modules on the run's validation split (``max_rows`` at most)."""
+def quantization_cost(fp32: torch.jit.ScriptModule, quantized: torch.jit.ScriptModule, cfg: JobConfig, max_rows: int,
+                      pinned: Optional[dict[str, str]] = None, owner: str = "the checkpoint") -> dict[str, Any]:  # fmt: skip
+    """AUC and log loss of both modules on the run's validation split (``max_rows`` at most),
+    of a dataset whose transforms are ``pinned``."""
     from torchrec_cloud.evaluation import binary_metrics
     from torchrec_cloud.serving.predict import eval_source, score
 
-    source = eval_source(cfg, cfg.data.batch_size)
+    source = eval_source(cfg, cfg.data.batch_size, pinned=pinned, owner=owner)
     logits, labels, seconds = score([fp32, quantized], source.eval_batches("val"), max_rows, progress=False)
     base, after = binary_metrics(logits[0], labels), binary_metrics(logits[1], labels)
     return {
@@ -191,8 +209,12 @@ def export(
     start = time.perf_counter()
     info = find_checkpoint(checkpoint)
     cfg = job_config(info)
+    pinned = pinned_transforms(info)
     if dataset_path is not None:
         cfg.data.dataset_path = dataset_path
+    # Before the weights are read: the transforms come only from a dataset whose digest is the
+    # checkpoint's, whichever folder its COMMIT.json (untrusted) or --dataset_path names.
+    transforms, vocab_files = dataset_transforms(cfg, pinned, f"checkpoint {info.path}", dataset_path is not None)
     with lease(info.path, "export") as held:  # a training job's retention leaves it alone meanwhile
         if not held:
             print(f"torchrec-cloud export: note: no read lease placed in {info.path} (not writable): a training "
@@ -205,7 +227,6 @@ def export(
     weights = io.BytesIO()
     torch.save({k: v.detach().contiguous() for k, v in model.state_dict().items()}, weights)
 
-    transforms, vocab_files = dataset_transforms(cfg)
     config: dict[str, Any] = {
         "format": MODEL_FORMAT,
         "version": MODEL_VERSION,
@@ -228,7 +249,7 @@ def export(
     }
     if quantize != "none":
         try:
-            config["quantization"] = quantization_cost(fp32, scorer, cfg, eval_rows)
+            config["quantization"] = quantization_cost(fp32, scorer, cfg, eval_rows, pinned, f"checkpoint {info.path}")
         except (ConfigError, storage.StorageError) as e:
             config["quantization"] = {"not_measured": _first_line(e)}
 
@@ -246,21 +267,29 @@ def export(
     return config
 
 
-def dataset_transforms(cfg: JobConfig) -> tuple[dict[str, Any], dict[str, bytes]]:
-    """What scoring raw rows needs from a dataset made from a schema: the model config's
-    ``schema`` and ``transforms`` (table sizes, vocabulary files, dense statistics; hashing
-    is by the schema's rule) and the vocabulary files' bytes, checked against the manifest.
-    Nothing for Criteo or synthetic data (predict reads a raw Criteo TSV by its own rules)."""
+def dataset_transforms(cfg: JobConfig, pinned: Optional[dict[str, str]], owner: str,
+                       given: bool) -> tuple[dict[str, Any], dict[str, bytes]]:  # fmt: skip
+    """What scoring raw rows needs from the dataset the checkpoint trained on: the model
+    config's ``schema``, ``transforms`` (table sizes, vocabulary files, dense statistics;
+    hashing is by the schema's rule) and ``pinned_transforms``, and the vocabulary files'
+    bytes, checked against the manifest. Only a dataset whose transforms have the digest the
+    checkpoint ``pinned`` qualifies (``given``: its path came from --dataset_path, else from
+    COMMIT.json). For Criteo data the pinned record alone (predict reads a raw Criteo TSV by
+    its own rules, with the model's table sizes); nothing for synthetic data."""
+    from torchrec_cloud.data.dataset import PINNED, is_schema_dataset, load_dataset, read_manifest, vocabulary_bytes
+    from torchrec_cloud.serving import check_pinned
+    from torchrec_cloud.untrusted import UntrustedInputError
+
     path = cfg.data.dataset_path
     if path is None:
         return {}, {}
-    from torchrec_cloud.data.dataset import is_schema_dataset, load_dataset, read_manifest, vocabulary_bytes
-    from torchrec_cloud.untrusted import UntrustedInputError
-
+    hint = ("export without --dataset_path (the dataset it trained on)" if given
+            else f"its {COMMIT_FILE} names this folder: give the dataset it trained on with --dataset_path")  # fmt: skip
     try:
         manifest = read_manifest(path)
+        found = check_pinned(pinned, path, manifest, cfg.model.table_sizes, owner, hint)
         if not is_schema_dataset(manifest):
-            return {}, {}
+            return ({PINNED: found} if pinned is not None else {}), {}
         ds = load_dataset(path, manifest, check_files=False)
     except (ConfigError, UntrustedInputError, storage.StorageError) as e:
         raise ServingError(f"the model's transforms come from its dataset's manifest, and {_first_line(e)} "
@@ -268,7 +297,7 @@ def dataset_transforms(cfg: JobConfig) -> tuple[dict[str, Any], dict[str, bytes]
     if ds.table_sizes != cfg.model.table_sizes:
         raise ServingError(f"{path} has tables of {ds.table_sizes} rows, the checkpoint {cfg.model.table_sizes}: not its dataset")
     files = vocabulary_bytes(path, ds.vocab_files)  # sizes and checksums as the manifest records them
-    return {"schema": manifest["schema"], "transforms": manifest["transforms"]}, files
+    return {"schema": manifest["schema"], "transforms": manifest["transforms"], PINNED: found}, files
 
 
 def _mib(n: int) -> str:
@@ -305,8 +334,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--quantize", choices=QUANTIZE, default="none", help="store the scoring module's tables as fp16 or row-wise int8"
     )
     parser.add_argument(
-        "--dataset_path", default=None, help="data to measure the quantization's AUC change on (default: the run's own)"
-    )
+        "--dataset_path", default=None,
+        help="the dataset it trained on, if moved (its transforms' digest must be the checkpoint's); "
+             "the quantization's AUC change is measured on it (default: the run's own)",
+    )  # fmt: skip
     parser.add_argument("--eval_rows", type=int, default=1_000_000, help="validation rows to measure it on, at most")
     parser.add_argument("--json", action="store_true", help="print the model config as one JSON object")
     return parser

@@ -7,8 +7,8 @@ preprocessed dataset, with an exported model, one click probability per row::
 
 ``--input`` is one raw file: Parquet or CSV/TSV of a model trained on a schema's dataset,
 converted by the same transforms preprocessing applied (the schema, vocabularies and dense
-statistics that ``export`` put in the model folder; an id never seen in training goes to its
-table's out-of-vocabulary row), or a raw Criteo TSV (plain or ``.gz``) for a Criteo model,
+statistics that ``export`` put in the model folder, checked against the digest export
+recorded; an id never seen in training goes to its table's out-of-vocabulary row), or a raw Criteo TSV (plain or ``.gz``) for a Criteo model,
 through preprocessing's parser with the model's table sizes. Either way its rows are exactly
 what training read from shards made of it, so the AUC equals that evaluation's.
 ``--dataset_path`` scores a split of preprocessed shards (a raw Criteo file there works too,
@@ -49,12 +49,14 @@ from torchrec_cloud.serving import (
 )
 
 SPLITS = ("val", "test", "all")
-
-
-def eval_source(cfg: JobConfig, batch_size: int, split: str = "val"):
+def eval_source(cfg: JobConfig, batch_size: int, split: str = "val", pinned: Optional[dict[str, str]] = None,
+                owner: str = "the model"):  # fmt: skip
     """A one-process reader of ``cfg``'s held-out data: its ``--dataset_path`` shards, or,
     without one, its synthetic data (the same rows training evaluated on). Only ``split``
-    (``all``: every split) must have rows."""
+    (``all``: every split) must have rows. A dataset's transforms must be those ``owner`` was
+    trained with, ``pinned`` (:func:`~torchrec_cloud.serving.check_pinned`)."""
+    from torchrec_cloud.serving import check_pinned
+
     cfg.data.batch_size = batch_size
     if cfg.data.dataset_path is None:
         from torchrec_cloud.data.synthetic import SyntheticSource
@@ -65,13 +67,16 @@ def eval_source(cfg: JobConfig, batch_size: int, split: str = "val"):
     from torchrec_cloud.data.reader import SchemaSource
 
     needed = ("train", "val", "test") if split == "all" else (split,)
+    hint = "score the data it trained on, or data made with the same transforms"
     if is_file(cfg.data.dataset_path):
+        check_pinned(pinned, cfg.data.dataset_path, None, cfg.model.table_sizes, owner, hint)
         return CriteoTSV(cfg.data.dataset_path, batch_size=batch_size, table_sizes=cfg.model.table_sizes,
                          dense_transform=cfg.data.dense_transform, multi_hot_sizes=cfg.data.multi_hot_sizes,
                          multi_hot_pooling=cfg.data.multi_hot_pooling, seed=cfg.data.seed)  # fmt: skip
 
     try:
         manifest = read_manifest(cfg.data.dataset_path)
+        check_pinned(pinned, cfg.data.dataset_path, manifest, cfg.model.table_sizes, owner, hint)
         if is_schema_dataset(manifest):
             ds = load_dataset(cfg.data.dataset_path, manifest)
             if ds.table_sizes != cfg.model.table_sizes or [f.name for f in ds.schema.sparse] != cfg.model.sparse_names:
@@ -190,18 +195,22 @@ def predict(
 
     if split not in SPLITS:
         raise ConfigError("split", f"expected one of {', '.join(SPLITS)}, got {split!r}")
+    from torchrec_cloud.data.dataset import PINNED, pinned_of
+
     config = read_model_config(model_dir)
-    cfg = saved_job_config(config, storage.join(model_dir, CONFIG_FILE))
+    where = storage.join(model_dir, CONFIG_FILE)
+    cfg = saved_job_config(config, where)
+    pinned = pinned_of(config.get(PINNED), where)
     scorer = load_scorer(model_dir, config["files"][SCORER_FILE])
     labelled = True
     if input is not None and "transforms" in config:
-        source = RawRows(config, model_dir, input, batch_size, cfg, on_bad_line)
+        source = RawRows(config, model_dir, input, batch_size, cfg, pinned, on_bad_line)
         labelled, split = source.labelled, "file"
     else:
         if on_bad_line != "error":
             raise ConfigError("on_bad_line", "applies to Parquet or CSV rows of a model trained on a schema's dataset")
         cfg.data.dataset_path = input if input is not None else dataset_path
-        source = eval_source(cfg, batch_size, split)
+        source = eval_source(cfg, batch_size, split, pinned, f"the model in {model_dir}")
     if isinstance(source, CriteoTSV):
         split = "file"
     (logits,), labels, seconds = score([scorer], split_batches(source, split), None, progress, split_rows(source, split))
@@ -244,8 +253,8 @@ class RawRows:
     with FILE:LINE and the column; rows without the label column are scored unlabelled."""
 
     def __init__(self, config: dict[str, Any], model_dir: str, path: str, batch_size: int, cfg: JobConfig,
-                 on_bad_line: str = "error") -> None:  # fmt: skip
-        from torchrec_cloud.data.dataset import check_transforms, read_vocabularies
+                 pinned: Optional[dict[str, str]], on_bad_line: str = "error") -> None:  # fmt: skip
+        from torchrec_cloud.data.dataset import PINNED, check_transforms, read_vocabularies, short, transforms_digest
         from torchrec_cloud.data.schema import parse_schema
         from torchrec_cloud.data.tabular import Input
         from torchrec_cloud.data.transforms import Transforms
@@ -260,6 +269,13 @@ class RawRows:
         if spec["table_sizes"] != cfg.model.table_sizes:
             raise UntrustedInputError(where, "transforms.table_sizes",
                                       f"{spec['table_sizes']} differ from the model's tables {cfg.model.table_sizes}")  # fmt: skip
+        # The transforms loaded are those export pinned (the training dataset's): a folder
+        # whose schema, statistics or vocabularies were replaced since scores nothing.
+        digest = transforms_digest(schema, config["transforms"])
+        if pinned is None or pinned["digest"] != digest:
+            recorded = f"digest {short(pinned['digest'])}" if pinned is not None else f"no {PINNED}"
+            raise ServingError(f"{where}: its transforms have digest {short(digest)}, the model was trained with "
+                               f"{recorded} (altered since export): export the checkpoint again")  # fmt: skip
         self.transforms = Transforms(schema, read_vocabularies(model_dir, spec["vocab"], where), spec["dense_stats"],
                                      spec["boundaries"])  # fmt: skip
         self.path, self.batch_size, self.on_bad_line = path, batch_size, on_bad_line
