@@ -186,7 +186,12 @@ def predict(
         raise ConfigError("split", f"expected one of {', '.join(SPLITS)}, got {split!r}")
     config = read_model_config(model_dir)
     cfg = saved_job_config(config, storage.join(model_dir, CONFIG_FILE))
-    scorer = load_scorer(model_dir, config["files"][SCORER_FILE])
+    if SCORER_FILE in config["files"]:
+        scorer = load_scorer(model_dir, config["files"][SCORER_FILE])
+    else:  # exported with --format pt2 alone
+        from torchrec_cloud.serving.runtime import load_scorer as load_any
+
+        scorer = load_any(model_dir, "pt2", config=config)
     labelled = True
     if input is not None and "transforms" in config:
         source = RawRows(config, model_dir, input, batch_size, cfg)
