@@ -10,6 +10,7 @@ import copy
 
 import pytest
 
+from test_deploy import cli, fake_kubectl  # noqa: F401 - cli is a fixture
 from test_render import CLOUDS, assert_hardened, by_kind, render, validate
 from torchrec_cloud.config import ConfigError
 from torchrec_cloud.deploy import admission
@@ -167,3 +168,27 @@ def test_render_job_serve_from_the_command_line(tmp_path, capsys):
     assert main(["render", "--job", "serve", "--cloud", "azure"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--model_url" in err
+
+
+def test_submit_job_serve_applies_the_bundle(cli, tmp_path):
+    """`submit --job serve`: --dry-run prints the bundle; a real submission checks the
+    cluster's version and hands the bundle to kubectl apply (a stand-in kubectl here); a
+    model read from a bucket needs no storage claim; managed targets are refused."""
+    flags = ["submit", "--target", "kubernetes", "--job", "serve", "--cloud", "aws", "--model_url", MODEL]
+    done = cli(*flags, "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert [d["kind"] for d in load_documents(done.stdout)] == KINDS["hpa"]
+    assert "kubectl apply -f -" in done.stderr and "-l torchrec-cloud/job=torchrec-serve" in done.stderr
+    real = [*flags, "--image", "444455556666.dkr.ecr.us-west-2.amazonaws.com/torchrec-cloud:0.1.0",
+            "--identity", "arn:aws:iam::444455556666:role/serve"]  # fmt: skip
+    kubectl = fake_kubectl(tmp_path, "1.29")
+    done = cli(*real, "--kubectl", str(kubectl))
+    assert done.returncode == 1 and not (tmp_path / "applied.yaml").exists()
+    assert "older than the 1.30" in done.stderr
+    fake_kubectl(tmp_path, "1.31")
+    done = cli(*real, "--kubectl", str(kubectl))
+    assert done.returncode == 0, done.stderr
+    applied = load_documents((tmp_path / "applied.yaml").read_text())
+    assert [d["kind"] for d in applied] == KINDS["hpa"] and "torchrec-serve.torchrec.svc:8080" in done.stdout
+    done = cli("submit", "--target", "vertex", "--job", "serve", "--cloud", "gcp", "--model_url", MODEL, "--dry-run")
+    assert done.returncode == 2 and "--target kubernetes" in done.stderr
