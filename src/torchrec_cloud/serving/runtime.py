@@ -18,8 +18,8 @@
 
 Both runtimes take the same inputs (``dense`` [B, num_dense] float32, ``values`` [N] and
 ``lengths`` [F * B] int64, cast here), answer a batch of 1 and bags of no ids, and give the
-same logits (``export`` checked them against TorchRec's). A loaded scorer holds no state
-between calls; one may be called from several threads. The files are code (a TorchScript
+same logits (``export`` checked them against TorchRec's). A loaded scorer keeps no state
+from one call to the next. The files are code (a TorchScript
 archive, a shared library): a model folder must come from a trusted writer (docs/security.md);
 each is read no further than the size ``model_config.json`` records.
 """
