@@ -237,8 +237,8 @@ class DeploySpec:
     autoscaler: Literal["hpa", "keda"] = "hpa"
     """With --job serve: a HorizontalPodAutoscaler on CPU, or a KEDA ScaledObject on the
     replicas' in-flight requests (a Prometheus query)."""
-    gpus: int = 0
-    """With --job serve: GPUs per replica (0: CPU replicas)."""
+    gpus: Optional[int] = None
+    """With --job serve: GPUs per replica (default 0: CPU replicas; training takes --gpus_per_node)."""
     min_replicas: Optional[int] = None
     """With --job serve: fewest replicas (default: the profile's serving.min_replicas)."""
     max_replicas: Optional[int] = None
@@ -312,8 +312,11 @@ class DeploySpec:
         if self.job == "serve":
             self._check_serve()
             return
-        if self.launcher == "kserve" or self.model_url is not None:
-            raise ConfigError("launcher" if self.launcher == "kserve" else "model_url", "applies to --job serve")
+        for flag in ("model_url", "gpus", "min_replicas", "max_replicas"):
+            if getattr(self, flag) is not None:
+                raise ConfigError(flag, "applies to --job serve" + ("; training takes --gpus_per_node" if flag == "gpus" else ""))
+        if self.launcher == "kserve":
+            raise ConfigError("launcher", "kserve applies to --job serve")
         if self.job == "preprocess":
             self._check_preprocess()
         elif self.spot and not self.checkpoint_url and not self._trains_with("--checkpoint_path"):
@@ -335,6 +338,7 @@ class DeploySpec:
         for flag in ("data_url", "checkpoint_url"):
             if getattr(self, flag):
                 raise ConfigError(flag, "applies to --job train; --job serve takes --model_url")
+        self.gpus = self.gpus or 0
         if self.gpus < 0:
             raise ConfigError("gpus", f"must be >= 0, got {self.gpus}")
         for flag in ("min_replicas", "max_replicas"):

@@ -83,7 +83,7 @@ def add_submit_flags(parser: argparse.ArgumentParser, target: Optional[str] = No
 
 # --identity stays: Azure ML runs the job as that managed identity, Vertex AI as that service account.
 KUBERNETES_ONLY = ("job", "launcher", "namespace", "storage", "storage_claim", "rdma", "cluster_monitoring",
-                   "grace_period_s", "backoff_limit")
+                   "grace_period_s", "backoff_limit", "model_url", "autoscaler", "gpus", "min_replicas", "max_replicas")
 
 
 def _require(ns: argparse.Namespace, *names: str) -> None:
