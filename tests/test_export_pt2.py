@@ -170,3 +170,21 @@ def test_a_failed_publish_leaves_current_as_it_was(work, tmp_path, capsys):
                           "--dataset_path", str(tmp_path / "no-such-dataset")], "no-such-dataset")  # fmt: skip
     assert (root / CURRENT_FILE).read_text() == before
     assert sorted(p.name for p in root.iterdir()) == sorted([before.strip(), CURRENT_FILE])
+
+
+def test_a_dcn_model_torchscript_cannot_compile_serves_from_its_package(tmp_path, capsys):
+    """DCNv2's CrossNet indexes its layers with a loop variable, which TorchScript refuses:
+    the default export says so in one note and writes the package, which scores as TorchRec."""
+    train(parse_job_config([*SMALL, "--interaction", "dcn", "--num_batches_per_epoch", "2",
+                            "--output_dir", str(tmp_path / "run"), "--checkpoint_path", str(tmp_path / "ckpt")]))  # fmt: skip
+    capsys.readouterr()
+    assert cli.main(["export", str(tmp_path / "ckpt"), "--output", str(tmp_path / "model")]) == 0
+    assert "note: no scorer.pt, the pt2 package serves" in capsys.readouterr().err
+    assert not (tmp_path / "model" / "scorer.pt").exists()
+    scorer = load_scorer(str(tmp_path / "model"))
+    assert scorer.runtime == "pt2"
+    for name, dense, values, lengths in batches():
+        expected = torchrec_logits(tmp_path / "model", dense, values, lengths)
+        torch.testing.assert_close(scorer.logits_of_bags(dense, values, lengths), expected, rtol=1e-5, atol=1e-6, msg=name)
+    cli_error(capsys, 1, ["export", str(tmp_path / "ckpt"), "--output", str(tmp_path / "ts"), "--format", "torchscript"],
+              "cannot build scorer.pt")  # fmt: skip

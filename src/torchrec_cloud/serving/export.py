@@ -56,6 +56,7 @@ from torchrec_cloud.serving import (
 from torchrec_cloud.serving.scorer import QUANTIZE, BagLogits, Scorer, Tables
 
 FORMATS = ("torchscript", "pt2")
+FILE_NAMES = (SCORER_FILE, *PT2_FILES.values())
 MODEL_PREFIX = "model."  # the model's entries in a checkpoint (see checkpoint.dcp.training_state)
 
 
@@ -168,9 +169,26 @@ def check_against_torchrec(model: torch.nn.Module, scorer: torch.jit.ScriptModul
         )
 
 
-def pt2_packages(
-    model: torch.nn.Module, reference: torch.jit.ScriptModule, quantize: str, cfg: ModelConfig, required: bool, log
-) -> dict[str, bytes]:
+def torchscript_scorer(model: torch.nn.Module, quantize: str, cfg: ModelConfig, required: bool) -> dict[str, Any]:
+    """``{scorer.pt: bytes, fp32_bytes: n}``: the TorchScript scorer of ``quantize``, its float32
+    twin checked against TorchRec's logits. A model TorchScript cannot compile (DCNv2's
+    CrossNet indexes its layers by a loop variable) stops the export when ``required``
+    (``--format torchscript``), else is left out with a note: the pt2 package serves."""
+    try:
+        fp32 = scorer_of(model, "none")
+        scorer = fp32 if quantize == "none" else scorer_of(model, quantize)
+    except Exception as e:  # noqa: BLE001 - TorchScript's compiler fails in many ways
+        if required:
+            raise ServingError(f"cannot build {SCORER_FILE} (--format torchscript): {_first_line(e)}") from None
+        print(f"torchrec-cloud export: note: no {SCORER_FILE}, the pt2 package serves (TorchScript cannot "
+              f"compile this model: {_first_line(e)})", file=sys.stderr)  # fmt: skip
+        return {}
+    check_against_torchrec(model, fp32, cfg)
+    data = _module_bytes(scorer)
+    return {SCORER_FILE: data, "fp32_bytes": len(_module_bytes(fp32)) if quantize != "none" else len(data)}
+
+
+def pt2_packages(model: torch.nn.Module, quantize: str, cfg: ModelConfig, required: bool) -> dict[str, bytes]:
     """``scorer.pt2`` (and ``scorer.cuda.pt2`` on a machine with CUDA): the scoring module of
     ``quantize`` as a torch.export program compiled by AOTInductor, each checked by
     :func:`check_pt2`. A package that does not build (no C++ compiler, say) stops the export
@@ -187,7 +205,7 @@ def pt2_packages(
             print(f"torchrec-cloud export: note: no {PT2_FILES[device]}, TorchScript serves "
                   f"(torch.export or AOTInductor failed: {_first_line(e)})", file=sys.stderr)  # fmt: skip
             continue
-        check_pt2(data, device, model, reference, quantize, cfg)
+        check_pt2(data, device, model, scorer_module(model, quantize), quantize, cfg)
         packages[PT2_FILES[device]] = data
     return packages
 
@@ -221,12 +239,10 @@ def pt2_package(scorer: Scorer, cfg: ModelConfig, device: str) -> bytes:
             return fh.read()
 
 
-def check_pt2(
-    data: bytes, device: str, model: torch.nn.Module, reference: torch.jit.ScriptModule, quantize: str, cfg: ModelConfig
-) -> None:
+def check_pt2(data: bytes, device: str, model: torch.nn.Module, reference: Scorer, quantize: str, cfg: ModelConfig) -> None:
     """The compiled package, loaded as a server loads it, must give TorchRec's logits (the
-    TorchScript module's of the same quantization when the tables are quantized) on a random
-    batch, and the TorchScript module's on a batch of one row, of one row of empty bags, and
+    plain scoring module's of the same quantization when the tables are quantized) on a
+    random batch, and the plain module's on a batch of one row, of one row of empty bags, and
     of rows mixing empty and full bags: the shapes a server sees that an example batch hides."""
     import os
     import tempfile
@@ -304,6 +320,7 @@ def export(
     if quantize not in QUANTIZE:
         raise ConfigError("quantize", f"expected one of {', '.join(QUANTIZE)}, got {quantize!r}")
     pt2_asked = formats is not None and "pt2" in formats
+    ts_asked = formats is not None and "torchscript" in formats
     formats = FORMATS if formats is None else tuple(formats)
     start = time.perf_counter()
     info = find_checkpoint(checkpoint)
@@ -315,12 +332,8 @@ def export(
             print(f"torchrec-cloud export: note: no read lease placed in {info.path} (not writable): a training "
                   "job's retention could delete it while it is read", file=sys.stderr)  # fmt: skip
         model = unsharded_model(info, cfg)
-    fp32 = scorer_of(model, "none")
-    check_against_torchrec(model, fp32, cfg.model)
-    scorer = fp32 if quantize == "none" else scorer_of(model, quantize)
-    scorer_bytes = _module_bytes(scorer)
-    packages = pt2_packages(model, scorer, quantize, cfg.model, required=pt2_asked, log=log) if "pt2" in formats else {}
-    scripted = {SCORER_FILE: scorer_bytes} if "torchscript" in formats else {}
+    scripted = torchscript_scorer(model, quantize, cfg.model, required=ts_asked) if "torchscript" in formats else {}
+    packages = pt2_packages(model, quantize, cfg.model, required=pt2_asked or not scripted) if "pt2" in formats else {}
     weights = io.BytesIO()
     torch.save({k: v.detach().contiguous() for k, v in model.state_dict().items()}, weights)
 
@@ -341,8 +354,9 @@ def export(
         "data": dataclasses.asdict(cfg.data),
         "checkpoint": {"path": info.path, "step": info.step, "world_size": info.world_size},
         "quantize": quantize,
-        "files": {**{k: len(v) for k, v in {**scripted, **packages}.items()}, WEIGHTS_FILE: len(weights.getvalue())},
-        "scorer_bytes_fp32": len(_module_bytes(fp32)) if quantize != "none" else len(scorer_bytes),
+        "files": {**{k: len(v) for k, v in {**scripted, **packages}.items() if k in FILE_NAMES},
+                  WEIGHTS_FILE: len(weights.getvalue())},
+        **({"scorer_bytes_fp32": scripted["fp32_bytes"]} if scripted else {}),
         **transforms,
     }
     if packages:
@@ -351,7 +365,8 @@ def export(
         config["lineage"] = lineage
     if quantize != "none":
         try:
-            config["quantization"] = quantization_cost(fp32, scorer, cfg, eval_rows)
+            config["quantization"] = quantization_cost(scorer_module(model, "none"), scorer_module(model, quantize),
+                                                       cfg, eval_rows)  # fmt: skip
         except (ConfigError, storage.StorageError) as e:
             config["quantization"] = {"not_measured": _first_line(e)}
 
@@ -416,9 +431,10 @@ def _report(config: dict[str, Any], output: str, log) -> None:
     if "not_measured" in q:
         log(f"quantize {config['quantize']}: AUC change not measured ({q['not_measured']}); use --dataset_path")
         return
+    sizes = (f"{SCORER_FILE} {_mib(config['scorer_bytes_fp32'])} -> {_mib(config['files'][SCORER_FILE])}; "
+             if "scorer_bytes_fp32" in config else "")
     log(
-        f"quantize {config['quantize']}: {SCORER_FILE} {_mib(config['scorer_bytes_fp32'])} -> "
-        f"{_mib(config['files'].get(SCORER_FILE, 0))}; val AUC {q['auc_fp32']:.5f} -> {q['auc']:.5f} "
+        f"quantize {config['quantize']}: {sizes}val AUC {q['auc_fp32']:.5f} -> {q['auc']:.5f} "
         f"(change {q['auc_change']:+.5f}), logloss {q['logloss_fp32']:.5f} -> {q['logloss']:.5f} "
         f"on {q['rows']} rows"
     )
