@@ -40,6 +40,8 @@ CRD_FILES = {
     ("trainer.kubeflow.org/v1alpha1", "TrainingRuntime"): SCHEMAS / "trainer.kubeflow.org_trainingruntimes.yaml",
     ("monitoring.googleapis.com/v1", "PodMonitoring"): SCHEMAS / "monitoring.googleapis.com_podmonitorings.yaml",
     ("azmonitoring.coreos.com/v1", "PodMonitor"): SCHEMAS / "azmonitoring.coreos.com_podmonitors.yaml",
+    ("keda.sh/v1alpha1", "ScaledObject"): SCHEMAS / "keda.sh_scaledobjects.yaml",
+    ("serving.kserve.io/v1beta1", "InferenceService"): SCHEMAS / "serving.kserve.io_inferenceservices.yaml",
 }
 # What each cloud's collector needs beside the pod metadata (monitoring_profiles.yaml.j2);
 # EKS's CloudWatch ConfigMaps configure the agent for the whole cluster: only on request.

@@ -44,6 +44,23 @@ MIN_VERSIONS: dict[str, dict[str, Any]] = {
         "why": "JobSet v0.12.0 supports the latest 3 minor versions (README: tested on 1.32-1.34); "
                "Kubeflow Trainer v2.3.0 needs Kubernetes >= 1.31 (docs/operator-guides/installation.md)",
     },
+    "serve": {
+        "kubernetes": "1.30",
+        "operators": "",
+        "why": "the preStop sleep action (PodLifecycleSleepAction) is on by default from 1.30; "
+               "autoscaling/v2 and policy/v1 are older",
+    },
+    "serve-keda": {
+        "kubernetes": "1.30",
+        "operators": "keda >= 2.20",
+        "why": "the ScaledObject CRD and webhook rules read at kedacore/keda v2.20.1-117 (8b4f083c)",
+    },
+    "kserve": {
+        "kubernetes": "1.30",
+        "operators": "kserve >= 0.15 (raw deployment mode)",
+        "why": "the InferenceService CRD read at kserve/kserve v0.20.0-rc0-104 (aaac4e29); the pod's "
+               "preStop sleep action needs 1.30",
+    },
 }  # fmt: skip
 MIN_KUBERNETES_ANNOTATION = "torchrec-cloud/min-kubernetes"
 MIN_OPERATORS_ANNOTATION = "torchrec-cloud/min-operators"
@@ -114,6 +131,10 @@ def check(docs: list[dict[str, Any]]) -> list[Problem]:
     for trainjob in by_kind.get("TrainJob", []):
         runtime = runtimes.get(trainjob["spec"].get("runtimeRef", {}).get("name", ""))
         problems += _trainjob(trainjob, runtime)
+    for hpa in by_kind.get("HorizontalPodAutoscaler", []):
+        problems += _hpa(hpa)
+    for scaled in by_kind.get("ScaledObject", []):
+        problems += _scaledobject(scaled, by_kind.get("HorizontalPodAutoscaler", []))
     return problems
 
 
@@ -287,4 +308,47 @@ def _trainjob(trainjob: dict, runtime: Optional[dict]) -> list[Problem]:
             why = _label(pod_name, _DNS1035_LABEL, "DNS-1035 label")
             if why:
                 out.append(Problem(obj, "metadata.name (its JobSet's pods)", why, source, "name"))
+    return out
+
+
+def _hpa(hpa: dict) -> list[Problem]:
+    """autoscaling/v2, kubernetes v1.33 pkg/apis/autoscaling/validation/validation.go
+    (validateHorizontalPodAutoscalerSpec): minReplicas >= 1 (0 only behind the alpha
+    HPAScaleToZero gate), maxReplicas >= 1 and >= minReplicas."""
+    name, spec = hpa["metadata"]["name"], hpa["spec"]
+    obj, source = f"HorizontalPodAutoscaler {name}", "kubernetes v1.33 pkg/apis/autoscaling/validation/validation.go"
+    low, high = int(spec.get("minReplicas", 1)), int(spec["maxReplicas"])
+    if low < 1:
+        return [Problem(obj, "spec.minReplicas", f"must be at least 1, got {low}", source, "min_replicas")]
+    if high < low:
+        return [Problem(obj, "spec.maxReplicas", f"must be at least minReplicas ({low}), got {high}", source, "max_replicas")]
+    return []
+
+
+# keda apis/keda/v1alpha1/scaledobject_webhook.go, maxK8sLabelValueLength; getHpaName.
+_KEDA_HPA_PREFIX = "keda-hpa-"
+
+
+def _scaledobject(scaled: dict, hpas: list[dict]) -> list[Problem]:
+    """KEDA's validating webhook, kedacore/keda v2.20.1-117 (8b4f083c)
+    apis/keda/v1alpha1/scaledobject_webhook.go: the name, and the HPA KEDA makes from it
+    (``keda-hpa-<name>``), are label values of 63 characters at most (verifyName);
+    minReplicaCount <= maxReplicaCount (verifyReplicaCount, CheckReplicaCountBoundsAreValid
+    in scaledobject_types.go); a workload another HPA already scales is refused (verifyHpas)."""
+    name, spec = scaled["metadata"]["name"], scaled["spec"]
+    obj, source = f"ScaledObject {name}", "keda v2.20.1 apis/keda/v1alpha1/scaledobject_webhook.go"
+    out = []
+    for what in (name, _KEDA_HPA_PREFIX + name):
+        if len(what) > 63:
+            out.append(Problem(obj, "metadata.name", f"{what!r} is {len(what)} characters, more than a label "
+                                                     "value's 63", source, "name"))  # fmt: skip
+    low, high = int(spec.get("minReplicaCount", 0)), int(spec.get("maxReplicaCount", 100))
+    if low > high:
+        out.append(Problem(obj, "spec.minReplicaCount", f"{low} must be less than maxReplicaCount {high}", source,
+                           "max_replicas"))  # fmt: skip
+    target = spec["scaleTargetRef"]["name"]
+    for hpa in hpas:
+        if hpa["spec"]["scaleTargetRef"]["name"] == target:
+            out.append(Problem(obj, "spec.scaleTargetRef", f"the workload {target!r} is already managed by the hpa "
+                                                           f"{hpa['metadata']['name']!r}", source))  # fmt: skip
     return out

@@ -6,6 +6,8 @@
 
     job         Namespace, ServiceAccount, headless Service, Indexed Job, NetworkPolicy
     --job preprocess: Namespace, ServiceAccount, Indexed Job of `data preprocess` pods, NetworkPolicy
+    --job serve: Namespace, ServiceAccount, Deployment, Service, autoscaler, PodDisruptionBudget,
+                 NetworkPolicy; or a KServe InferenceService (deploy/serving.py)
     pytorchjob  Namespace, ServiceAccount, Kubeflow v1 PyTorchJob, NetworkPolicy
     trainjob    Namespace, ServiceAccount, Kubeflow Trainer v2 TrainingRuntime + TrainJob, NetworkPolicy
 
@@ -193,6 +195,10 @@ def build_context(spec: DeploySpec, profile: Optional[Profile] = None) -> dict[s
     profile = profile or load_profile(spec.cloud)
     if spec.job == "preprocess":
         return preprocess_context(spec, profile)
+    if spec.job == "serve":
+        from torchrec_cloud.deploy.serving import serve_context
+
+        return serve_context(spec, profile)
     instance = _instance(spec, profile)
     grace = spec.grace_period_s or profile.termination_grace_period_s
     workload = _workload_context(spec, profile, instance, grace)
@@ -631,6 +637,10 @@ def render_documents(spec: DeploySpec, profile: Optional[Profile] = None) -> lis
     ctx = build_context(spec, profile)
     if spec.job == "preprocess":
         docs = [render_template(name, **ctx) for name in PREPROCESS_TEMPLATES]
+    elif spec.job == "serve":
+        from torchrec_cloud.deploy.serving import serve_templates
+
+        docs = [render_template(name, **ctx) for name in serve_templates(spec)]
     else:
         docs = [render_template(name, **ctx) for name in LAUNCHER_TEMPLATES[spec.launcher]]
         docs += [render_template("collector.yaml.j2", manifest=m, **ctx) for m in ctx["monitoring"].manifests]

@@ -111,6 +111,7 @@ class Profile:
     process_resources: dict[str, Any] = field(default_factory=dict)
     rdma_capabilities: list[str] = field(default_factory=list)
     network_policy: dict[str, Any] = field(default_factory=dict)
+    serving: dict[str, Any] = field(default_factory=dict)
 
     def instance(self, name: Optional[str] = None) -> Optional[Instance]:
         """The named instance type (default: the profile's), or None for a generic cluster."""

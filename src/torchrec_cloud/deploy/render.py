@@ -12,9 +12,14 @@ job), on stdout or in files.
 
 ``--job preprocess`` renders ``data preprocess`` over ``--nodes`` CPU pods (an Indexed Job,
 one share of the inputs each); its flags go after ``--``, as ``data preprocess`` takes them.
+``--job serve --model_url URL`` renders ``serve`` replicas: a Deployment, Service, autoscaler
+(``--autoscaler hpa|keda``), PodDisruptionBudget and NetworkPolicy, or with ``--launcher
+kserve`` a KServe InferenceService (deploy/serving.py); ``serve`` flags go after ``--``.
+
+    torchrec-cloud render --job serve --cloud aws --model_url s3://your-bucket/models/q
 
 Without ``--output`` the multi-document YAML goes to stdout (``| kubectl apply -f -``); with
-it, ``DIR/<launcher>.yaml`` (``DIR/preprocess.yaml``) (and ``DIR/storage.yaml`` where the profile has a file system).
+it, ``DIR/<launcher>.yaml`` (``DIR/preprocess.yaml``, ``DIR/serve.yaml``) (and ``DIR/storage.yaml`` where the profile has a file system).
 Bad options end with one line naming the flag, exit code 2.
 """
 
@@ -67,7 +72,7 @@ def run(ns: argparse.Namespace) -> int:
             return 2
         files = {"storage.yaml": text}
     else:
-        name = "preprocess" if spec.job == "preprocess" else spec.launcher
+        name = spec.job if spec.job in ("preprocess", "serve") else spec.launcher
         files = {f"{name}.yaml": render_bundle(spec, profile)}
         storage = render_storage(spec, profile) if ns.output else None
         if storage:

@@ -21,12 +21,14 @@ from typing import Literal, Optional, Sequence
 from torchrec_cloud import __version__, install_extra
 from torchrec_cloud.config import PRESETS, ConfigError, FlagParser, add_config_flags, config_from_args, flag_kwargs
 
-LAUNCHERS = ("job", "pytorchjob", "trainjob")
-JOBS = ("train", "preprocess")
+LAUNCHERS = ("job", "pytorchjob", "trainjob", "kserve")
+JOBS = ("train", "preprocess", "serve")
+AUTOSCALERS = ("hpa", "keda")
 DEFAULT_NAME = "torchrec-dlrm"
 # `--job preprocess` without --name: a name of its own, so that it and the training job can
 # live in one namespace.
 PREPROCESS_NAME = "torchrec-preprocess"
+SERVE_NAME = "torchrec-serve"
 DEFAULT_IMAGE = f"torchrec-cloud:{__version__}"
 
 # Kubernetes names: DNS-1123 labels. Pod hostnames of an Indexed Job are
@@ -160,13 +162,16 @@ class DeploySpec:
 
     cloud: str = "generic"
     """Profile to fill the templates with (profiles/<cloud>.yaml)."""
-    job: Literal["train", "preprocess"] = "train"
+    job: Literal["train", "preprocess", "serve"] = "train"
     """What the pods run: train, or preprocess: `data preprocess --schema` split over --nodes
     pods (an Indexed Job, one share of the inputs each, CPU only), whose flags (--schema,
-    --input, --output, --split_by ...) go after '--'."""
-    launcher: Literal["job", "pytorchjob", "trainjob"] = "job"
+    --input, --output, --split_by ...) go after '--'; or serve: `torchrec-cloud serve
+    --model_url` replicas (a Deployment, Service, autoscaler, PodDisruptionBudget), whose
+    `serve` flags go after '--'."""
+    launcher: Literal["job", "pytorchjob", "trainjob", "kserve"] = "job"
     """Indexed Job + headless Service (plain Kubernetes), Kubeflow v1 PyTorchJob, or Kubeflow
-    Trainer v2 TrainJob."""
+    Trainer v2 TrainJob; with --job serve: job (a Deployment) or kserve (a KServe
+    InferenceService running the same image)."""
     nodes: int = 1
     """Machines (pods) in the job."""
     gpus_per_node: int = 8
@@ -226,8 +231,21 @@ class DeploySpec:
     """Seconds without a peer pod's heartbeat before a pod counts it lost and exits 200 to
     be started again (launch --peer_timeout_s; default: the profile's; 0: no heartbeats, and
     a lost peer costs --pg_timeout_s)."""
+    model_url: Optional[str] = None
+    """With --job serve: the model to serve, a model folder or a published root (export
+    --publish; the replicas follow its `current`), a bucket URL or a path on the mounted storage."""
+    autoscaler: Literal["hpa", "keda"] = "hpa"
+    """With --job serve: a HorizontalPodAutoscaler on CPU, or a KEDA ScaledObject on the
+    replicas' in-flight requests (a Prometheus query)."""
+    gpus: Optional[int] = None
+    """With --job serve: GPUs per replica (default 0: CPU replicas; training takes --gpus_per_node)."""
+    min_replicas: Optional[int] = None
+    """With --job serve: fewest replicas (default: the profile's serving.min_replicas)."""
+    max_replicas: Optional[int] = None
+    """With --job serve: most replicas (default: the profile's serving.max_replicas)."""
     train_args: list[str] = field(default_factory=list)
-    """Trainer flags, e.g. ['--batch_size', '4096'] (with --job preprocess: `data preprocess` flags)."""
+    """Trainer flags, e.g. ['--batch_size', '4096'] (with --job preprocess: `data preprocess` flags;
+    with --job serve: `serve` flags)."""
 
     def __post_init__(self) -> None:
         if self.job not in JOBS:
@@ -236,6 +254,10 @@ class DeploySpec:
             raise ConfigError("launcher", f"must be one of {', '.join(LAUNCHERS)}, got {self.launcher!r}")
         if self.job == "preprocess" and self.name == DEFAULT_NAME:
             self.name = PREPROCESS_NAME
+        if self.job == "serve" and self.name == DEFAULT_NAME:
+            self.name = SERVE_NAME
+        if self.autoscaler not in AUTOSCALERS:
+            raise ConfigError("autoscaler", f"must be one of {', '.join(AUTOSCALERS)}, got {self.autoscaler!r}")
         if self.nodes < 1:
             raise ConfigError("nodes", f"must be >= 1, got {self.nodes}")
         if self.gpus_per_node < 0:
@@ -266,7 +288,7 @@ class DeploySpec:
         if not self.image.strip():
             raise ConfigError("image", "must not be empty")
         check_image(self.image)
-        for flag in ("data_url", "checkpoint_url", "identity"):
+        for flag in ("data_url", "checkpoint_url", "identity", "model_url"):
             if getattr(self, flag) is not None:
                 check_text(flag, getattr(self, flag))
         for arg in self.train_args:
@@ -287,6 +309,14 @@ class DeploySpec:
             raise ConfigError("peer_timeout_s", f"must be >= 0 (seconds; 0: no heartbeats), got {self.peer_timeout_s}")
         if self.storage_claim is not None and not _DNS_SUBDOMAIN.match(self.storage_claim):
             raise ConfigError("storage_claim", f"must be a PersistentVolumeClaim name, got {self.storage_claim!r}")
+        if self.job == "serve":
+            self._check_serve()
+            return
+        for flag in ("model_url", "gpus", "min_replicas", "max_replicas"):
+            if getattr(self, flag) is not None:
+                raise ConfigError(flag, "applies to --job serve" + ("; training takes --gpus_per_node" if flag == "gpus" else ""))
+        if self.launcher == "kserve":
+            raise ConfigError("launcher", "kserve applies to --job serve")
         if self.job == "preprocess":
             self._check_preprocess()
         elif self.spot and not self.checkpoint_url and not self._trains_with("--checkpoint_path"):
@@ -295,6 +325,33 @@ class DeploySpec:
                 "--spot needs a checkpoint destination: a reclaimed node's pods resume from the last "
                 f"checkpoint (--checkpoint_every_s); pass --checkpoint_url {self._checkpoint_examples()}",
             )
+
+    def _check_serve(self) -> None:
+        """A serving job: a model to serve, replicas within bounds, `serve` flags after '--'
+        that the placement does not own."""
+        if self.launcher not in ("job", "kserve"):
+            raise ConfigError("launcher", f"--job serve runs a Deployment (job) or a KServe InferenceService "
+                                          f"(kserve), got {self.launcher!r}")  # fmt: skip
+        if not self.model_url:
+            raise ConfigError("model_url", "--job serve needs the model: a model folder or published root "
+                                           "(URL, or a path on the mounted storage)")  # fmt: skip
+        for flag in ("data_url", "checkpoint_url"):
+            if getattr(self, flag):
+                raise ConfigError(flag, "applies to --job train; --job serve takes --model_url")
+        self.gpus = self.gpus or 0
+        if self.gpus < 0:
+            raise ConfigError("gpus", f"must be >= 0, got {self.gpus}")
+        for flag in ("min_replicas", "max_replicas"):
+            value = getattr(self, flag)
+            if value is not None and value < 1:
+                raise ConfigError(flag, f"must be >= 1, got {value}")
+        if self.min_replicas and self.max_replicas and self.min_replicas > self.max_replicas:
+            raise ConfigError("max_replicas", f"must be >= --min_replicas ({self.min_replicas}), got {self.max_replicas}")
+        owned = {"--host", "--port", "--name"}
+        given = sorted({a.split("=", 1)[0] for a in self.train_args} & owned)
+        if given:
+            raise ConfigError("--", f"serve flags after '--': {given[0]} is the manifest's own "
+                                    "(the Service and probes use it)")  # fmt: skip
 
     def _check_preprocess(self) -> None:
         """A preprocessing job: an Indexed Job of --nodes pods (or --shares N among its flags),

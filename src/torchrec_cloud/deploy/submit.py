@@ -8,6 +8,8 @@
     torchrec-cloud submit --target vertex --cloud gcp --nodes 2 --image IMG --project P \\
         --staging_bucket gs://BUCKET
 
+``--job serve --model_url URL`` submits serving replicas (``render --job serve``) the same way.
+
 ``kubernetes`` applies the manifests of ``torchrec-cloud render`` with ``kubectl apply``
 (``--follow`` then waits for the pods and streams their logs); ``azureml`` and ``vertex``
 build the job with the cloud's SDK (extras ``azure``, ``gcp``) and submit it. ``--dry-run``
@@ -81,7 +83,7 @@ def add_submit_flags(parser: argparse.ArgumentParser, target: Optional[str] = No
 
 # --identity stays: Azure ML runs the job as that managed identity, Vertex AI as that service account.
 KUBERNETES_ONLY = ("job", "launcher", "namespace", "storage", "storage_claim", "rdma", "cluster_monitoring",
-                   "grace_period_s", "backoff_limit")
+                   "grace_period_s", "backoff_limit", "model_url", "autoscaler", "gpus", "min_replicas", "max_replicas")
 
 
 def _require(ns: argparse.Namespace, *names: str) -> None:
@@ -97,8 +99,11 @@ def submit_kubernetes(spec: DeploySpec, dry_run: bool, follow: bool, kubectl: st
     selector = f"{JOB_LABEL}={spec.name}"
     apply_cmd = [kubectl, "apply", "-f", "-"]
     wait_cmd = [kubectl, "wait", "-n", spec.namespace, "--for=condition=Ready", "pod", "-l", selector, "--timeout=60m"]
+    pods = spec.nodes
+    if spec.job == "serve":  # as many as the autoscaler may run
+        pods = spec.max_replicas or load_profile(spec.cloud).serving["max_replicas"]
     logs_cmd = [kubectl, "logs", "-f", "-n", spec.namespace, "-l", selector, "--prefix",
-                f"--max-log-requests={spec.nodes}", "--tail=-1"]
+                f"--max-log-requests={pods}", "--tail=-1"]
     if dry_run:
         sys.stdout.write(bundle)
         print(f"# would run: {' '.join(apply_cmd)}  (the YAML above on stdin)", file=sys.stderr)
@@ -107,12 +112,16 @@ def submit_kubernetes(spec: DeploySpec, dry_run: bool, follow: bool, kubectl: st
     if shutil.which(kubectl) is None:
         raise SubmitError(f"{kubectl!r} not found on PATH: install kubectl and point it at your cluster "
                           "(or use --dry-run / torchrec-cloud render)")
-    check_cluster_version(bundle, spec.launcher, kubectl)
+    check_cluster_version(bundle, version_key(spec), kubectl)
     done = subprocess.run(apply_cmd, input=bundle, text=True)
     if done.returncode != 0:
         raise SubmitError(f"kubectl apply failed with exit code {done.returncode}")
     if not follow:
         print(f"submitted; logs: {' '.join(logs_cmd)}")
+        if spec.job == "serve" and spec.launcher != "kserve":
+            port = load_profile(spec.cloud).serving["port"]
+            print(f"serving at http://{spec.name}.{spec.namespace}.svc:{port} in the cluster "
+                  f"(kubectl port-forward -n {spec.namespace} svc/{spec.name} {port}:{port} from here)")  # fmt: skip
         return 0
     # Pods appear a moment after the Job; `kubectl wait` fails if none exist yet.
     for _ in range(60):
@@ -143,8 +152,18 @@ def cluster_version(kubectl: str = "kubectl") -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+def version_key(spec: DeploySpec) -> str:
+    """The entry of :data:`~torchrec_cloud.deploy.admission.MIN_VERSIONS` the spec's bundle needs."""
+    if spec.launcher == "kserve":
+        return "kserve"
+    if spec.job == "serve":
+        return "serve-keda" if spec.autoscaler == "keda" else "serve"
+    return spec.launcher
+
+
 def check_cluster_version(bundle: str, launcher: str, kubectl: str = "kubectl") -> None:
-    """Refuse a cluster older than the Kubernetes version the bundle records it needs."""
+    """Refuse a cluster older than the Kubernetes version the bundle records it needs
+    (``launcher``: its :func:`version_key`)."""
     from torchrec_cloud.deploy.admission import MIN_KUBERNETES_ANNOTATION, MIN_VERSIONS
 
     needed = next((d["metadata"]["annotations"][MIN_KUBERNETES_ANNOTATION] for d in load_documents(bundle)
@@ -236,12 +255,15 @@ def placeholders(spec: DeploySpec, target: str) -> list[str]:
             f"--identity with your own ({identity['annotation']})"
         )
     for flag, value in (("image", spec.image), ("identity", spec.identity), ("data_url", spec.data_url),
-                        ("checkpoint_url", spec.checkpoint_url)):  # fmt: skip
+                        ("checkpoint_url", spec.checkpoint_url), ("model_url", spec.model_url)):  # fmt: skip
         example = next((p for p in profile.placeholders if value and p in value), None)
         if example is not None and not (flag == "image" and spec.image == DEFAULT_IMAGE):
             problems.append(f"--{flag} {value} holds the example value {example} of profile {profile.name!r}: "
                             f"pass your own")  # fmt: skip
-    if target == "kubernetes" and spec.storage and profile.storage and not spec.storage_claim:
+    from torchrec_cloud.storage import is_url
+
+    served_from_bucket = spec.job == "serve" and spec.model_url is not None and is_url(spec.model_url)
+    if target == "kubernetes" and spec.storage and profile.storage and not spec.storage_claim and not served_from_bucket:
         storage = profile.storage
         problems.append(
             f"the job mounts PersistentVolumeClaim {storage['claim_name']} ({storage.get('title', 'shared storage')}), "
@@ -256,6 +278,8 @@ def run(ns: argparse.Namespace) -> int:
     from torchrec_cloud.config import ConfigError
 
     spec = spec_from_args(ns)
+    if spec.job == "serve" and ns.target != "kubernetes":
+        raise ConfigError("job", "--job serve runs a Deployment or a KServe InferenceService: --target kubernetes")
     if spec.job != "train" and ns.target != "kubernetes":
         raise ConfigError("job", f"--job {spec.job} is a Kubernetes Indexed Job: --target kubernetes")
     if not ns.dry_run:

@@ -6,11 +6,18 @@
 - ``predict``: ``torchrec-cloud predict DIR --dataset_path D --split val --output F.csv``
   scores preprocessed shards with the exported module, and reports AUC and log loss when
   the rows have labels;
-- ``scorer``: the plain-torch scoring module that ``export`` compiles with TorchScript.
+- ``scorer``: the plain-torch scoring module that ``export`` compiles with TorchScript and
+  with torch.export + AOTInductor;
+- ``runtime``: ``load_scorer(model_dir, runtime="auto"|"pt2"|"torchscript")``, what a
+  server and ``predict`` score with;
+- ``publish``: ``export CHECKPOINT --publish ROOT``, versions of a model under one root and
+  its ``current`` file, which ``serve ROOT`` follows.
 
 A model directory (a local folder or a bucket URL)::
 
     scorer.pt           TorchScript: (dense [B, 13] float, ids [B, 26] int64) -> probabilities [B]
+    scorer.pt2          torch.export program compiled by AOTInductor for CPU (scorer.cuda.pt2:
+                        for CUDA, when exported on a GPU): (dense, values, lengths) -> logits [B]
     weights.pt          the unsharded float32 state dict of TorchRec's DLRMTrain
                         (torch.save; load with torch.load(..., weights_only=True))
     vocab/NAME.json     a schema's dataset only: the vocabularies scoring raw rows needs
@@ -39,6 +46,9 @@ MODEL_VERSION = 1
 CONFIG_FILE = "model_config.json"
 SCORER_FILE = "scorer.pt"
 WEIGHTS_FILE = "weights.pt"
+PT2_FILES = {"cpu": "scorer.pt2", "cuda": "scorer.cuda.pt2"}
+"""The AOTInductor packages ``export --format pt2`` writes, by the device they were compiled
+for (a CUDA one only when exported on a GPU); ``model_config.json``'s ``pt2`` says with which torch."""
 
 
 class ServingError(CommandError, RuntimeError):
@@ -98,11 +108,14 @@ def check_model_config(config: dict[str, Any], path: str) -> dict[str, Any]:
     from torchrec_cloud.serving.scorer import QUANTIZE
 
     doc.text("quantize", choices=QUANTIZE)
-    for name, size in doc.mapping("files", 2).items():
-        text(name, path, "files", choices=(SCORER_FILE, WEIGHTS_FILE))
+    for name, size in doc.mapping("files", 2 + len(PT2_FILES)).items():
+        text(name, path, "files", choices=(SCORER_FILE, WEIGHTS_FILE, *PT2_FILES.values()))
         integer(size, path, f"files.{name}", hi=MAX_FILE_BYTES)
-    if SCORER_FILE not in config["files"]:
-        raise UntrustedInputError(path, "files", f"does not list {SCORER_FILE}")
+    if not any(name in config["files"] for name in (SCORER_FILE, *PT2_FILES.values())):
+        raise UntrustedInputError(path, "files", f"lists no scorer ({SCORER_FILE} or {PT2_FILES['cpu']})")
+    pt2 = doc.obj("pt2", optional=True)
+    if pt2 is not None:
+        pt2.text("torch", max_len=64)
     return config
 
 

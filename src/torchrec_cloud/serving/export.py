@@ -3,6 +3,8 @@ directory that serves (layout in :mod:`torchrec_cloud.serving`)::
 
     torchrec-cloud export runs/q/checkpoints --output models/q
     torchrec-cloud export s3://bucket/runs/q/checkpoints/step_00002000 --output s3://bucket/models/q --quantize int8
+    torchrec-cloud export runs/q/checkpoints --output models/q --format torchscript
+    torchrec-cloud export runs/q/checkpoints --publish models/root
 
 CHECKPOINT is one checkpoint, a folder of them (its newest complete one, as resume picks), or
 a run folder (the ``--output_dir``: the checkpoints its run wrote), as ``checkpoint ls`` takes.
@@ -19,6 +21,15 @@ statistics), taken only from a dataset whose transforms have the digest the chec
 recorded when it trained (``pinned_transforms`` in COMMIT.json): the folder COMMIT.json
 names, or ``--dataset_path``, is checked, never trusted (docs/data.md, "Transforms pinned to
 the model").
+
+``--format`` names the scorers written: ``torchscript`` (``scorer.pt``) and ``pt2``
+(``scorer.pt2``: a torch.export program compiled by AOTInductor for the CPU, and
+``scorer.cuda.pt2`` for CUDA when exported on a machine with a GPU; compiling needs a C++
+compiler). By default both, pt2 where it builds. Each is checked against TorchRec's logits,
+and the pt2 package also on a batch of one row and on empty bags.
+
+``--publish ROOT`` writes a new version ``ROOT/VERSION/`` and then makes ``ROOT/current``
+name it (see :mod:`torchrec_cloud.serving.publish`), which ``serve ROOT`` follows.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ import io
 import json
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -41,14 +52,17 @@ from torchrec_cloud.serving import (
     CONFIG_FILE,
     MODEL_FORMAT,
     MODEL_VERSION,
+    PT2_FILES,
     SCORER_FILE,
     WEIGHTS_FILE,
     ServingError,
     add_command,
     saved_job_config,
 )
-from torchrec_cloud.serving.scorer import QUANTIZE, Scorer, Tables
+from torchrec_cloud.serving.scorer import QUANTIZE, BagLogits, Scorer, Tables
 
+FORMATS = ("torchscript", "pt2")
+FILE_NAMES = (SCORER_FILE, *PT2_FILES.values())
 MODEL_PREFIX = "model."  # the model's entries in a checkpoint (see checkpoint.dcp.training_state)
 
 
@@ -133,6 +147,11 @@ def _first_line(e: BaseException) -> str:
 
 def scorer_of(model: torch.nn.Module, quantize: str) -> torch.jit.ScriptModule:
     """The TorchScript scoring module of an unsharded DLRMTrain (see :mod:`.scorer`)."""
+    return torch.jit.script(scorer_module(model, quantize))
+
+
+def scorer_module(model: torch.nn.Module, quantize: str) -> Scorer:
+    """The plain-torch scoring module of an unsharded DLRMTrain, in eval mode, no gradients."""
     dlrm = model.model
     ebc = dlrm.sparse_arch.embedding_bag_collection
     from torchrec.modules.embedding_configs import PoolingType
@@ -143,7 +162,7 @@ def scorer_of(model: torch.nn.Module, quantize: str) -> torch.jit.ScriptModule:
     scorer = Scorer(dlrm.dense_arch, dlrm.inter_arch, dlrm.over_arch, Tables(tables, quantize, mean))
     for p in scorer.parameters():
         p.requires_grad_(False)  # a server scores; no autograd graph per request
-    return torch.jit.script(scorer.eval())
+    return scorer.eval()
 
 
 def check_against_torchrec(model: torch.nn.Module, scorer: torch.jit.ScriptModule, cfg: ModelConfig) -> None:
@@ -166,6 +185,114 @@ def check_against_torchrec(model: torch.nn.Module, scorer: torch.jit.ScriptModul
         raise ServingError(
             f"the exported module disagrees with TorchRec's model (max |diff| {float((got - expected).abs().max()):.3g})"
         )
+
+
+def torchscript_scorer(model: torch.nn.Module, quantize: str, cfg: ModelConfig, required: bool) -> dict[str, Any]:
+    """``{scorer.pt: bytes, fp32_bytes: n}``: the TorchScript scorer of ``quantize``, its float32
+    twin checked against TorchRec's logits. A model TorchScript cannot compile (DCNv2's
+    CrossNet indexes its layers by a loop variable) stops the export when ``required``
+    (``--format torchscript``), else is left out with a note: the pt2 package serves."""
+    try:
+        fp32 = scorer_of(model, "none")
+        scorer = fp32 if quantize == "none" else scorer_of(model, quantize)
+    except Exception as e:  # noqa: BLE001 - TorchScript's compiler fails in many ways
+        if required:
+            raise ServingError(f"cannot build {SCORER_FILE} (--format torchscript): {_first_line(e)}") from None
+        print(f"torchrec-cloud export: note: no {SCORER_FILE}, the pt2 package serves (TorchScript cannot "
+              f"compile this model: {_first_line(e)})", file=sys.stderr)  # fmt: skip
+        return {}
+    check_against_torchrec(model, fp32, cfg)
+    data = _module_bytes(scorer)
+    return {SCORER_FILE: data, "fp32_bytes": len(_module_bytes(fp32)) if quantize != "none" else len(data)}
+
+
+def pt2_packages(model: torch.nn.Module, quantize: str, cfg: ModelConfig, required: bool) -> dict[str, bytes]:
+    """``scorer.pt2`` (and ``scorer.cuda.pt2`` on a machine with CUDA): the scoring module of
+    ``quantize`` as a torch.export program compiled by AOTInductor, each checked by
+    :func:`check_pt2`. A package that does not build (no C++ compiler, say) stops the export
+    when ``required`` (``--format pt2`` asked for it), else is left out with a note:
+    TorchScript serves. One that builds but scores differently always stops it."""
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    packages: dict[str, bytes] = {}
+    for device in devices:
+        try:
+            data = pt2_package(scorer_module(model, quantize), cfg, device)
+        except Exception as e:  # noqa: BLE001 - export and the C++ build fail in many ways
+            if required:
+                raise ServingError(f"cannot build {PT2_FILES[device]} (--format pt2): {_first_line(e)}") from None
+            print(f"torchrec-cloud export: note: no {PT2_FILES[device]}, TorchScript serves "
+                  f"(torch.export or AOTInductor failed: {_first_line(e)})", file=sys.stderr)  # fmt: skip
+            continue
+        check_pt2(data, device, model, scorer_module(model, quantize), quantize, cfg)
+        packages[PT2_FILES[device]] = data
+    return packages
+
+
+def pt2_package(scorer: Scorer, cfg: ModelConfig, device: str) -> bytes:
+    """The bytes of an AOTInductor package of ``scorer``'s :class:`BagLogits` for ``device``.
+    The batch and the number of ids are dynamic (a batch of 1 and bags of no ids included);
+    the example batch only has to be neither 0 nor 1 long, which torch.export would specialise."""
+    import copy
+    import os
+    import tempfile
+    import warnings
+
+    from torch._inductor import aoti_compile_and_package
+    from torch.export import Dim
+    from torch.export import export as torch_export
+
+    program = BagLogits(copy.deepcopy(scorer)).to(device).eval()  # the TorchRec model stays on the CPU
+    b, f = 4, cfg.num_sparse_features
+    dense = torch.rand(b, cfg.num_dense_features, device=device)
+    lengths = torch.arange(f * b, device=device) % 3  # 0, 1 and 2 ids a bag
+    values = torch.zeros(int(lengths.sum()), dtype=torch.int64, device=device)
+    batch, ids = Dim("batch", min=1), Dim("ids", min=0)
+    shapes = {"dense": {0: batch}, "values": {0: ids}, "lengths": {0: f * batch}}
+    with torch.no_grad(), warnings.catch_warnings(), tempfile.TemporaryDirectory(prefix="torchrec-cloud-export-") as tmp:
+        warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecations, nothing for a user to act on
+        exported = torch_export(program, (dense, values, lengths), dynamic_shapes=shapes, strict=False)
+        path = os.path.join(tmp, PT2_FILES[device])
+        aoti_compile_and_package(exported, package_path=path)
+        with open(path, "rb") as fh:
+            return fh.read()
+
+
+def check_pt2(data: bytes, device: str, model: torch.nn.Module, reference: Scorer, quantize: str, cfg: ModelConfig) -> None:
+    """The compiled package, loaded as a server loads it, must give TorchRec's logits (the
+    plain scoring module's of the same quantization when the tables are quantized) on a
+    random batch, and the plain module's on a batch of one row, of one row of empty bags, and
+    of rows mixing empty and full bags: the shapes a server sees that an example batch hides."""
+    import os
+    import tempfile
+
+    from torch._inductor import aoti_load_package
+
+    from torchrec_cloud.serving.runtime import LoadedScorer
+
+    with tempfile.TemporaryDirectory(prefix="torchrec-cloud-export-") as tmp:
+        path = os.path.join(tmp, PT2_FILES[device])
+        with open(path, "wb") as fh:
+            fh.write(data)
+        loaded = LoadedScorer(aoti_load_package(path, device_index=0 if device == "cuda" else -1), "pt2", path, device)
+    if quantize == "none":
+        check_against_torchrec(model, loaded, cfg)
+    g = torch.Generator().manual_seed(1)
+    f = cfg.num_sparse_features
+    for b, lengths in ((1, torch.zeros(f, dtype=torch.int64)), (1, torch.ones(f, dtype=torch.int64)),
+                       (3, torch.randint(0, 3, (f * 3,), generator=g))):  # fmt: skip
+        dense = torch.rand(b, cfg.num_dense_features, generator=g)
+        per_table = lengths.view(f, b).sum(dim=1).tolist()
+        values = torch.cat([torch.randint(0, n, (int(k),), generator=g) for n, k in zip(cfg.table_sizes, per_table)])
+        with torch.no_grad():
+            expected = reference.logits_of_bags(dense, values, lengths)
+        try:
+            got = loaded.logits_of_bags(dense, values, lengths)
+        except Exception as e:  # noqa: BLE001 - a shape the program refuses raises from its C++ runtime
+            raise ServingError(f"{PT2_FILES[device]} refuses a batch of {b} "
+                               f"({int(lengths.sum())} ids): {_first_line(e)}") from None  # fmt: skip
+        if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
+            raise ServingError(f"{PT2_FILES[device]} disagrees with {SCORER_FILE} on a batch of {b} "
+                               f"({int(lengths.sum())} ids)")  # fmt: skip
 
 
 def _module_bytes(module: torch.jit.ScriptModule) -> bytes:
@@ -202,10 +329,17 @@ def export(
     dataset_path: Optional[str] = None,
     eval_rows: int = 1_000_000,
     log=print,
+    formats: Optional[Sequence[str]] = None,
+    lineage: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
-    """Write the model directory of ``checkpoint`` to ``output``; returns its model_config."""
+    """Write the model directory of ``checkpoint`` to ``output``; returns its model_config.
+    ``formats``: the scorers to write (:data:`FORMATS`; None: both, pt2 where it builds);
+    ``lineage``: what ``--publish`` records of the version (:mod:`.publish`)."""
     if quantize not in QUANTIZE:
         raise ConfigError("quantize", f"expected one of {', '.join(QUANTIZE)}, got {quantize!r}")
+    pt2_asked = formats is not None and "pt2" in formats
+    ts_asked = formats is not None and "torchscript" in formats
+    formats = FORMATS if formats is None else tuple(formats)
     start = time.perf_counter()
     info = find_checkpoint(checkpoint)
     cfg = job_config(info)
@@ -220,10 +354,8 @@ def export(
             print(f"torchrec-cloud export: note: no read lease placed in {info.path} (not writable): a training "
                   "job's retention could delete it while it is read", file=sys.stderr)  # fmt: skip
         model = unsharded_model(info, cfg)
-    fp32 = scorer_of(model, "none")
-    check_against_torchrec(model, fp32, cfg.model)
-    scorer = fp32 if quantize == "none" else scorer_of(model, quantize)
-    scorer_bytes = _module_bytes(scorer)
+    scripted = torchscript_scorer(model, quantize, cfg.model, required=ts_asked) if "torchscript" in formats else {}
+    packages = pt2_packages(model, quantize, cfg.model, required=pt2_asked or not scripted) if "pt2" in formats else {}
     weights = io.BytesIO()
     torch.save({k: v.detach().contiguous() for k, v in model.state_dict().items()}, weights)
 
@@ -243,13 +375,19 @@ def export(
         "data": dataclasses.asdict(cfg.data),
         "checkpoint": {"path": info.path, "step": info.step, "world_size": info.world_size},
         "quantize": quantize,
-        "files": {SCORER_FILE: len(scorer_bytes), WEIGHTS_FILE: len(weights.getvalue())},
-        "scorer_bytes_fp32": len(_module_bytes(fp32)) if quantize != "none" else len(scorer_bytes),
+        "files": {**{k: len(v) for k, v in {**scripted, **packages}.items() if k in FILE_NAMES},
+                  WEIGHTS_FILE: len(weights.getvalue())},
+        **({"scorer_bytes_fp32": scripted["fp32_bytes"]} if scripted else {}),
         **transforms,
     }
+    if packages:
+        config["pt2"] = {"torch": torch.__version__}
+    if lineage is not None:
+        config["lineage"] = lineage
     if quantize != "none":
         try:
-            config["quantization"] = quantization_cost(fp32, scorer, cfg, eval_rows, pinned, f"checkpoint {info.path}")
+            config["quantization"] = quantization_cost(scorer_module(model, "none"), scorer_module(model, quantize),
+                                                       cfg, eval_rows, pinned, f"checkpoint {info.path}")  # fmt: skip
         except (ConfigError, storage.StorageError) as e:
             config["quantization"] = {"not_measured": _first_line(e)}
 
@@ -257,7 +395,11 @@ def export(
     config_path = storage.join(output, CONFIG_FILE)
     if storage.exists(config_path):
         storage.remove(config_path)  # the folder is a model again only once all is rewritten
-    storage.write_bytes(storage.join(output, SCORER_FILE), scorer_bytes)
+    for name in (SCORER_FILE, *PT2_FILES.values()):
+        if name in config["files"]:
+            storage.write_bytes(storage.join(output, name), {**scripted, **packages}[name])
+        elif storage.exists(storage.join(output, name)):
+            storage.remove(storage.join(output, name))  # an earlier export's: not this model
     storage.write_bytes(storage.join(output, WEIGHTS_FILE), weights.getvalue())
     for path, data in vocab_files.items():
         storage.write_bytes(storage.join(output, *path.split("/")), data)
@@ -308,8 +450,9 @@ def _report(config: dict[str, Any], output: str, log) -> None:
     ck = config["checkpoint"]
     log(
         f"exported {ck['path']} (step {ck['step']}, {counted(ck['world_size'], 'rank')}) to {output} in "
-        f"{config['seconds']:.1f}s: {SCORER_FILE} {_mib(config['files'][SCORER_FILE])} "
-        f"(tables {config['quantize']}), {WEIGHTS_FILE} {_mib(config['files'][WEIGHTS_FILE])}"
+        f"{config['seconds']:.1f}s: "
+        + ", ".join(f"{name} {_mib(size)}" for name, size in config["files"].items())
+        + f" (tables {config['quantize']})"
     )
     q = config.get("quantization")
     if q is None:
@@ -317,9 +460,10 @@ def _report(config: dict[str, Any], output: str, log) -> None:
     if "not_measured" in q:
         log(f"quantize {config['quantize']}: AUC change not measured ({q['not_measured']}); use --dataset_path")
         return
+    sizes = (f"{SCORER_FILE} {_mib(config['scorer_bytes_fp32'])} -> {_mib(config['files'][SCORER_FILE])}; "
+             if "scorer_bytes_fp32" in config else "")
     log(
-        f"quantize {config['quantize']}: {SCORER_FILE} {_mib(config['scorer_bytes_fp32'])} -> "
-        f"{_mib(config['files'][SCORER_FILE])}; val AUC {q['auc_fp32']:.5f} -> {q['auc']:.5f} "
+        f"quantize {config['quantize']}: {sizes}val AUC {q['auc_fp32']:.5f} -> {q['auc']:.5f} "
         f"(change {q['auc_change']:+.5f}), logloss {q['logloss_fp32']:.5f} -> {q['logloss']:.5f} "
         f"on {q['rows']} rows"
     )
@@ -329,7 +473,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     summary = "export a training checkpoint to a model directory that serves (TorchScript + weights)"
     parser = add_command(subparsers, "export", summary, __doc__, _main)
     parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint, a folder of them (its newest complete one) or a run folder")
-    parser.add_argument("--output", required=True, metavar="DIR", help="the model directory to write (folder or URL)")
+    parser.add_argument("--output", default=None, metavar="DIR", help="the model directory to write (folder or URL)")
+    parser.add_argument("--publish", default=None, metavar="ROOT",
+                        help="instead of --output: write a new version ROOT/VERSION/ and then point ROOT/current at it "
+                             "(what `serve ROOT` follows)")  # fmt: skip
+    parser.add_argument("--format", default=None, metavar="FORMATS",
+                        help="scorers to write, comma-separated: torchscript (scorer.pt), pt2 (scorer.pt2, torch.export "
+                             "compiled by AOTInductor) (default: both, pt2 where it builds)")  # fmt: skip
     parser.add_argument(
         "--quantize", choices=QUANTIZE, default="none", help="store the scoring module's tables as fp16 or row-wise int8"
     )
@@ -343,9 +493,28 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
+def parse_formats(value: Optional[str]) -> Optional[tuple[str, ...]]:
+    """``--format``: None (the default) or the named formats, each once."""
+    if value is None:
+        return None
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    wrong = [n for n in names if n not in FORMATS]
+    if not names or wrong:
+        raise ConfigError("format", f"expected a comma-separated list of {', '.join(FORMATS)}, got {value!r}")
+    return tuple(dict.fromkeys(names))
+
+
 def _main(ns: argparse.Namespace) -> int:
     log = (lambda line: print(line, file=sys.stderr)) if ns.json else print
-    config = export(ns.checkpoint, ns.output, ns.quantize, ns.dataset_path, ns.eval_rows, log)
+    formats = parse_formats(ns.format)
+    if (ns.output is None) == (ns.publish is None):
+        raise ConfigError("output", "give --output DIR (one model folder) or --publish ROOT (a new version), one of them")
+    if ns.publish is not None:
+        from torchrec_cloud.serving.publish import publish
+
+        config = publish(ns.checkpoint, ns.publish, ns.quantize, ns.dataset_path, ns.eval_rows, log, formats)
+    else:
+        config = export(ns.checkpoint, ns.output, ns.quantize, ns.dataset_path, ns.eval_rows, log, formats)
     if ns.json:
         print(json.dumps(config))
     return 0

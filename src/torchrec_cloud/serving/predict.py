@@ -201,7 +201,12 @@ def predict(
     where = storage.join(model_dir, CONFIG_FILE)
     cfg = saved_job_config(config, where)
     pinned = pinned_of(config.get(PINNED), where)
-    scorer = load_scorer(model_dir, config["files"][SCORER_FILE])
+    if SCORER_FILE in config["files"]:
+        scorer = load_scorer(model_dir, config["files"][SCORER_FILE])
+    else:  # exported with --format pt2 alone
+        from torchrec_cloud.serving.runtime import load_scorer as load_any
+
+        scorer = load_any(model_dir, "pt2", config=config)
     labelled = True
     if input is not None and "transforms" in config:
         source = RawRows(config, model_dir, input, batch_size, cfg, pinned, on_bad_line)

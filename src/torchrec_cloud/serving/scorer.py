@@ -9,6 +9,10 @@ table in one plain tensor, looked up with plain torch ops::
     probabilities = scorer(dense, ids)                   # [B, 13] float, [B, 26] int64 -> [B]
     logits = scorer.logits_of_bags(dense, values, lengths)   # multi-hot bags, KJT layout
 
+``export --format pt2`` writes the same module as a torch.export program compiled by
+AOTInductor (``scorer.pt2``, :class:`BagLogits`: ``logits_of_bags`` is its forward); load
+either through :func:`torchrec_cloud.serving.runtime.load_scorer`.
+
 Tables are stored in one of three forms (``--quantize``): ``none`` (float32, the trained
 values), ``fp16`` (half the bytes) or ``int8`` (a quarter, plus a float16 scale and offset
 per row: TorchRec's (fbgemm's) row-wise scheme, ``row = q * scale + bias``). Lookups return float32.
@@ -68,7 +72,9 @@ class Tables(nn.Module):
         """Pooled embeddings ``[B, F, D]`` of bags in TorchRec's KeyedJaggedTensor layout:
         ``lengths`` [F * B], feature-major; ``values`` the ids of every bag in that order."""
         bags = self.num_features * batch_size
-        bag = torch.repeat_interleave(torch.arange(bags, device=values.device), lengths.long())
+        # output_size: without it torch.export sees the total as data-dependent and bakes the
+        # example batch's bounds into a runtime assertion (a batch of 1, or of empty bags, failed).
+        bag = torch.repeat_interleave(torch.arange(bags, device=values.device), lengths.long(), output_size=values.shape[0])
         index = values.long() + self.row_offsets[torch.div(bag, batch_size, rounding_mode="floor")]
         pooled = torch.zeros(bags, self.dim, device=values.device)
         pooled.index_add_(0, bag, self.rows(index))
@@ -107,3 +113,17 @@ class Scorer(nn.Module):
     def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Click probabilities ``[B]``, one id per sparse feature (what a server calls)."""
         return torch.sigmoid(self.logits(dense, ids))
+
+
+class BagLogits(nn.Module):
+    """A :class:`Scorer`'s ``logits_of_bags`` as ``forward``: the one entry point of the
+    torch.export program (``scorer.pt2``), since an exported program has a single graph.
+    Inputs as :meth:`Tables.forward`: ``dense`` [B, num_dense] float32, ``values`` [N] and
+    ``lengths`` [F * B] int64."""
+
+    def __init__(self, scorer: Scorer) -> None:
+        super().__init__()
+        self.scorer = scorer
+
+    def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return self.scorer.logits_of_bags(dense, values, lengths)
