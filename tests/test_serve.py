@@ -276,7 +276,7 @@ def test_bad_requests_get_one_json_line_naming_the_column_or_limit(events, serve
     assert served.metric('torchrec_serve_requests_total{code="413",endpoint="v1"}') == 2
     assert served.metric("torchrec_serve_batch_rows_count") > 0 and served.metric("torchrec_serve_batch_rows_sum") > 0
     assert served.metric('torchrec_serve_request_seconds_count{endpoint="v1"}') >= len(cases)
-    assert served.metric("torchrec_serve_in_flight") == 0 and served.metric("torchrec_serve_queue_depth") == 0
+    assert served.metric("torchrec_cloud_serve_inflight_requests") == 0 and served.metric("torchrec_serve_queue_depth") == 0
     assert served.metric('torchrec_serve_model_version{version="model"}') == 1
     access = [line for line in served.text().splitlines() if line.startswith("access ")]
     assert any(" POST /v1/models/m:predict 413 " in line for line in access), access[-5:]

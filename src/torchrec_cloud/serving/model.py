@@ -53,8 +53,8 @@ class RequestError(ValueError):
 class ServedModel:
     """One exported model folder (local or a bucket URL), ready to score raw rows."""
 
-    def __init__(self, model_dir: str, version: Optional[str] = None) -> None:
-        self.model_dir = model_dir
+    def __init__(self, model_dir: str, version: Optional[str] = None, runtime: str = "auto") -> None:
+        self.model_dir, self.runtime = model_dir, runtime  # serving.runtime.RUNTIMES
         self.version = version or model_dir.rstrip("/").rsplit("/", 1)[-1] or "1"
         self.ready = False
         self.config = read_model_config(model_dir)  # cheap: a bad folder is refused before load()
@@ -72,9 +72,11 @@ class ServedModel:
     def load(self) -> None:
         """Read the scorer and score the canary rows once (the first call also warms it up):
         ``ready`` after that; a ServingError naming the folder otherwise."""
-        from torchrec_cloud.serving.predict import load_scorer
+        from torchrec_cloud.serving.runtime import load_scorer
 
-        self.scorer = load_scorer(self.model_dir, self.config["files"][SCORER_FILE])
+        # The AOTInductor package when the folder has one built by this torch (runtime
+        # "auto"), else TorchScript: serving.runtime.
+        self.scorer = load_scorer(self.model_dir, self.runtime, config=self.config)
         self.canary()
         self.ready = True
 

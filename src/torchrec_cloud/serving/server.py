@@ -181,7 +181,8 @@ class Metrics:
         self.batch_rows = Histogram("torchrec_serve_batch_rows", "Rows per scored batch", registry=r,
                                     buckets=tuple(2.0**k for k in range(15)))  # fmt: skip
         self.queue_depth = Gauge("torchrec_serve_queue_depth", "Requests waiting to be batched", registry=r)
-        self.in_flight = Gauge("torchrec_serve_in_flight", "Inference requests being handled", registry=r)
+        # The name the rendered KEDA ScaledObject queries (deploy/serving.py, INFLIGHT_METRIC).
+        self.in_flight = Gauge("torchrec_cloud_serve_inflight_requests", "Inference requests being handled", registry=r)
         self.version = Gauge("torchrec_serve_model_version", "1 for the model version being served", ["version"], registry=r)
         self.refused = Counter("torchrec_serve_versions_refused", "Model versions refused (failed their checks)", registry=r)
         self.swaps = Counter("torchrec_serve_version_swaps", "Model versions swapped in while serving", registry=r)
@@ -267,7 +268,7 @@ def build_app(state: State) -> Any:
         m = state.model
         v2 = {IDS: "BYTES", CRITEO_HEX: "BYTES", NUMBER: "FP64", CRITEO_INT: "INT64"}
         return JSONResponse({
-            "name": state.name, "versions": [m.version], "platform": "pytorch_torchscript",
+            "name": state.name, "versions": [m.version], "platform": "pytorch_aoti" if m.scorer.runtime == "pt2" else "pytorch_torchscript",
             "inputs": [{"name": c.name, "datatype": v2.get(c.kind, "BYTES"), "shape": [-1]} for c in m.columns],
             "outputs": [{"name": "probability", "datatype": "FP64", "shape": [-1]}],
         })  # fmt: skip
@@ -423,7 +424,7 @@ def serve(ns: argparse.Namespace) -> int:
 
     from torchrec_cloud.serving.versions import Follower, first_model, is_root
 
-    model = first_model(ns.model)  # a folder that is no model stops here, before listening
+    model = first_model(ns.model, ns.runtime)  # a folder that is no model stops here, before listening
     metrics = Metrics()
     state = State(ns, model, metrics)
 
@@ -453,7 +454,7 @@ def serve(ns: argparse.Namespace) -> int:
         log(f"ready: {state.name} version {model.version} on http://{ns.host}:{ns.port} "
             f"(/v1/models/{state.name}:predict, /v2/models/{state.name}/infer, /metrics)")  # fmt: skip
         if ns.follow:
-            follower = Follower(ns.model, lambda: state.model, state.swap, state.refuse, ns.poll_s)
+            follower = Follower(ns.model, lambda: state.model, state.swap, state.refuse, ns.poll_s, ns.runtime)
             threading.Thread(target=follower.run, name="versions", daemon=True).start()
 
     ns.follow = is_root(ns.model)
@@ -489,6 +490,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--max_body_bytes", type=int, default=16 << 20, help="a larger request body is answered 413")
     parser.add_argument("--max_request_rows", type=int, default=8192, help="more rows in one request are answered 413")
     parser.add_argument("--poll_s", type=float, default=10.0, help="a published root: how often to read ROOT/current")
+    parser.add_argument("--runtime", choices=("auto", "pt2", "torchscript"), default="auto",
+                        help="auto: the model folder's AOTInductor package (scorer.pt2) when this torch built it, "
+                             "else its TorchScript (scorer.pt)")  # fmt: skip
     parser.add_argument("--grace_s", type=float, default=25.0,
                         help="on SIGTERM, how long queued and in-flight requests have to finish")  # fmt: skip
     return parser

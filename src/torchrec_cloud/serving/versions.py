@@ -43,24 +43,25 @@ def read_current(root: str) -> str:
         raise ServingError(str(e)) from None
 
 
-def first_model(source: str) -> ServedModel:
+def first_model(source: str, runtime: str = "auto") -> ServedModel:
     """The model to serve first: ``source`` itself, or the version its ``current`` names."""
     try:
         root = is_root(source)
     except storage.StorageError as e:
         raise ServingError(str(e)) from None
     if not root:
-        return ServedModel(source)
+        return ServedModel(source, runtime=runtime)
     name = read_current(source)
-    return ServedModel(storage.join(source, name), version=name)
+    return ServedModel(storage.join(source, name), version=name, runtime=runtime)
 
 
 class Follower:
     """Polls ``ROOT/current`` every ``poll_s`` and swaps in each new version that passes."""
 
     def __init__(self, root: str, serving: Callable[[], ServedModel], swap: Callable[[ServedModel], None],
-                 refused: Callable[[str, str], None], poll_s: float) -> None:  # fmt: skip
+                 refused: Callable[[str, str], None], poll_s: float, runtime: str = "auto") -> None:  # fmt: skip
         self.root, self.serving, self.swap, self.refused, self.poll_s = root, serving, swap, refused, poll_s
+        self.runtime = runtime
         self.stopped = threading.Event()
         self._last_refused: Optional[str] = None
 
@@ -77,7 +78,7 @@ class Follower:
         if name == old.version or name == self._last_refused:
             return
         try:
-            new = ServedModel(storage.join(self.root, name), version=name)
+            new = ServedModel(storage.join(self.root, name), version=name, runtime=self.runtime)
             if sorted(new.columns, key=lambda c: c.name) != sorted(old.columns, key=lambda c: c.name):
                 missing = sorted({c.name for c in old.columns} ^ {c.name for c in new.columns})
                 why = f"columns {', '.join(missing)} differ" if missing else "a column's kind or separator differs"
