@@ -74,6 +74,23 @@ def test_a_moved_core_name_stops_the_run_naming_it(monkeypatch):
         compat.check()
 
 
+def test_an_unaudited_stack_runs_changed_sources_but_never_missing_names(monkeypatch, capsys):
+    """bench/gpu_device_run.sh measures on the stack a GPU machine has offline: a core name
+    whose source changed runs as it is when TORCHREC_CLOUD_UNAUDITED_STACK=1 (and says so); a
+    name that is gone stops the run all the same; without the variable both stop it."""
+    name = "torchrec DistributedModelParallel._dmp_wrapped_module"
+    changed = {name: "changed since audited: DistributedModelParallel.__init__ (1, audited 2)"}
+    monkeypatch.setattr(compat, "problems", lambda: changed)
+    with pytest.raises(compat.CompatError, match="_dmp_wrapped_module"):
+        compat.check()
+    monkeypatch.setenv(compat.UNAUDITED_ENV, "1")
+    assert compat.check() == {}
+    assert f"{compat.UNAUDITED_ENV}=1: running {name} unaudited" in capsys.readouterr().err
+    monkeypatch.setattr(compat, "problems", lambda: {name: "no longer sets self._dmp_wrapped_module"})
+    with pytest.raises(compat.CompatError, match="_dmp_wrapped_module"):
+        compat.check()
+
+
 def test_accessors_reach_what_they_name():
     # DCP's fsspec file system, subclassed as checkpoint/dcp.py does
     assert hasattr(compat.fsspec_filesystem(), "init_path")
