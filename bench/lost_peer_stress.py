@@ -27,12 +27,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL = [
-    "--num_embeddings", "1000", "--embedding_dim", "16", "--dense_arch_layer_sizes", "32,16",
-    "--over_arch_layer_sizes", "32,1", "--batch_size", "64", "--num_batches_per_epoch", "20",
-    "--num_epochs", "3", "--num_eval_batches", "2", "--log_every", "1", "--checkpoint_interval", "10",
-    "--no-progress", "--no-tensorboard",
-]  # fmt: skip
+sys.path.insert(0, str(REPO / "bench"))
+from rehearse_bench import MODEL  # noqa: E402 - the rehearsals' small model: 60 steps, a checkpoint every 10
 
 
 def _burn(stop_at: float) -> None:
