@@ -220,7 +220,7 @@ def _no_host_network_env(name: str, env: dict[str, Any], instances: dict[str, In
         if bad:
             raise ProfileError(
                 f"{PROFILE_DIR}/{name}.yaml: {where} sets {', '.join(bad)}: GPUDirect-TCPX needs pods on the host "
-                "network (hostNetwork: true) beside GKE's privileged tcpx daemon, which these manifests do not "
+                "network (hostNetwork: true) beside the cluster's privileged tcpx daemon, which these manifests do not "
                 "render; NCCL would use sockets whatever they say (docs/deploy.md, \"NCCL transports\")"
             )
 
