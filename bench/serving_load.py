@@ -1,0 +1,208 @@
+"""`serve` under load, against its limit, in one run (issue #40): a real load generator
+(wrk, Debian's `wrk` package: `apt-get install wrk`) against `torchrec-cloud serve` on
+127.0.0.1, beside offline `predict` of the same rows with the same model.
+
+    python bench/serving_load.py                     # trains and exports a small model first
+    python bench/serving_load.py --model models/q    # an exported Criteo-layout model folder
+
+What it does: a Criteo-layout model (the quickstart's, 10,000 rows a table; or ``--model``),
+exported as TorchScript and as an AOTInductor package; 4,096 generated raw Criteo rows;
+``predict --input`` on them (the limit: rows/s of scoring the same rows offline, whole
+batches, no HTTP); then for each runtime (``serve --runtime torchscript|pt2``), request size
+(1 and 64 rows, v1 ``instances``) and number of clients (1, 16, 64 connections), ``wrk -d
+DURATION`` against ``/v1/models/NAME:predict``: rows/s, p50/p95/p99 latency and the answers
+that were not 200. Last, the shedding point: 256 connections of 64-row requests against a
+server with ``--max_queue 8``: how many were shed (503) and how fast the server answered them
+(its access log's times of the 503 lines). Prints one line per run and a Markdown table for
+bench/RESULTS.md. The server and wrk share this machine's cores: a 2-core machine measures
+their sum, not the server alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+# wrk's Lua: POST the body file; at the end one JSON line of the figures wrk measured.
+WRK_SCRIPT = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+local f = assert(io.open(os.getenv("BODY_FILE"), "rb"))
+wrk.body = f:read("*a")
+f:close()
+function done(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format('WRK {"requests": %d, "seconds": %.6f, "p50_ms": %.3f, "p95_ms": %.3f, ' ..
+    '"p99_ms": %.3f, "non_2xx": %d, "socket_errors": %d}\\n', summary.requests, summary.duration / 1e6,
+    latency:percentile(50) / 1e3, latency:percentile(95) / 1e3, latency:percentile(99) / 1e3, e.status,
+    e.connect + e.read + e.write + e.timeout))
+end
+"""
+
+
+def cli(*args: str, env: dict | None = None) -> str:
+    proc = subprocess.run([sys.executable, "-m", "torchrec_cloud", *args], capture_output=True, text=True,
+                          env=env or os.environ.copy())  # fmt: skip
+    if proc.returncode != 0:
+        raise SystemExit(f"torchrec-cloud {' '.join(args[:2])}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_model(folder: Path) -> Path:
+    """The quickstart's model at 10,000 rows a table (docs/serving.md's three commands), a
+    short run, exported in both formats."""
+    cli("train", "--preset", "quickstart", "--num_embeddings", "10000", "--num_batches_per_epoch", "40",
+        "--num_epochs", "1", "--checkpoint_path", str(folder / "ck"), "--output_dir", str(folder / "run"),
+        "--no-progress", "--no-tensorboard")  # fmt: skip
+    cli("export", str(folder / "ck"), "--output", str(folder / "model"), "--format", "torchscript,pt2")
+    return folder / "model"
+
+
+def rows_and_bodies(folder: Path, rows: int) -> tuple[Path, dict[int, Path]]:
+    """A raw Criteo TSV of ``rows`` rows, and v1 bodies of 1 and 64 of its rows."""
+    from torchrec_cloud.data.criteo_gen import write_criteo_tsv
+
+    tsv = folder / "rows.tsv"
+    write_criteo_tsv(str(tsv), rows, seed=7)
+    instances = []
+    for line in tsv.read_text().splitlines():
+        fields = line.split("\t")[1:]  # the label first
+        row = {f"int_{i}": (int(v) if v else None) for i, v in enumerate(fields[:13])}
+        row.update({f"cat_{i}": (v or None) for i, v in enumerate(fields[13:])})
+        instances.append(row)
+    bodies = {}
+    for n in (1, 64):
+        bodies[n] = folder / f"body{n}.json"
+        bodies[n].write_text(json.dumps({"instances": instances[:n]}))
+    return tsv, bodies
+
+
+def offline_rows_per_s(model: Path, tsv: Path, out: Path) -> float:
+    report = json.loads(cli("predict", str(model), "--input", str(tsv), "--output", str(out), "--json",
+                            "--no_progress").strip().splitlines()[-1])  # fmt: skip
+    return report["rows"] / report["seconds"]
+
+
+class Server:
+    def __init__(self, model: Path, runtime: str, log: Path, *flags: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "torchrec_cloud", "serve", str(model), "--name", "m", "--host", "127.0.0.1",
+             "--port", str(self.port), "--runtime", runtime, *flags],
+            stdout=subprocess.DEVNULL, stderr=open(log, "w"), start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.url + "/v2/health/ready", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise SystemExit(f"serve exited {self.proc.returncode}:\n{log.read_text()[-3000:]}")
+                time.sleep(0.2)
+        raise SystemExit("serve was not ready in 300 s")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def wrk(url: str, body: Path, clients: int, seconds: float, script: Path) -> dict:
+    cmd = ["wrk", "-t", str(min(clients, 2)), "-c", str(clients), "-d", f"{seconds:g}s", "--timeout", "30s",
+           "-s", str(script), url + "/v1/models/m:predict"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "BODY_FILE": str(body)})
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("WRK ")), None)
+    if line is None:
+        raise SystemExit(f"wrk: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return json.loads(line[4:])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="an exported Criteo-layout model folder (default: train and export one)")
+    parser.add_argument("--rows", type=int, default=4096, help="raw rows for predict and the request bodies")
+    parser.add_argument("--seconds", type=float, default=10.0, help="each wrk run's duration")
+    parser.add_argument("--runtimes", default="torchscript,pt2")
+    parser.add_argument("--json", action="store_true", help="one JSON line per run as well")
+    args = parser.parse_args()
+    if shutil.which("wrk") is None:
+        raise SystemExit("wrk is not installed: apt-get install wrk (Debian's package)")
+
+    folder = Path(tempfile.mkdtemp(prefix="serving-load-"))
+    model = Path(args.model) if args.model else make_model(folder)
+    tsv, bodies = rows_and_bodies(folder, args.rows)
+    script = folder / "post.lua"
+    script.write_text(WRK_SCRIPT)
+    limit = offline_rows_per_s(model, tsv, folder / "scores.csv")
+    print(f"offline predict --input: {limit:,.0f} rows/s ({args.rows} rows)", flush=True)
+    table = []
+    for runtime in args.runtimes.split(","):
+        server = Server(model, runtime, folder / f"serve-{runtime}.log")
+        try:
+            for n, body in bodies.items():
+                wrk(server.url, body, 4, 2, script)  # warm-up
+                for clients in (1, 16, 64):
+                    r = wrk(server.url, body, clients, args.seconds, script)
+                    rows_per_s = r["requests"] * n / r["seconds"]
+                    row = {"runtime": runtime, "rows_per_request": n, "clients": clients, "rows_per_s": rows_per_s,
+                           "of_offline": rows_per_s / limit, **r}  # fmt: skip
+                    table.append(row)
+                    print(f"{runtime} {n}-row requests, {clients} clients: {rows_per_s:,.0f} rows/s "
+                          f"({rows_per_s / limit:.0%} of offline), p50 {r['p50_ms']:.1f} ms, p95 {r['p95_ms']:.1f} ms, "
+                          f"p99 {r['p99_ms']:.1f} ms, not 200: {r['non_2xx']}, socket errors {r['socket_errors']}",
+                          flush=True)  # fmt: skip
+                    if args.json:
+                        print(json.dumps(row), flush=True)
+        finally:
+            server.stop()
+
+    # The shedding point: more waiting requests than the queue holds.
+    log = folder / "serve-shed.log"
+    server = Server(model, "torchscript", log, "--max_queue", "8")
+    try:
+        shed = wrk(server.url, bodies[64], 256, args.seconds, script)
+    finally:
+        server.stop()
+    times = [float(m.group(1)) for m in re.finditer(r" 503 .*?([0-9.]+)ms$", log.read_text(), re.M)]
+    shed_line = (f"shedding: 256 clients of 64-row requests, --max_queue 8: {shed['non_2xx']} of {shed['requests']} "
+                 f"answered 503" + (f", in {statistics.median(times):.2f} ms median, {max(times):.2f} ms at most "
+                                    "(the server's own time)" if times else ""))  # fmt: skip
+    print(shed_line, flush=True)
+
+    print("\n| runtime | rows/request | clients | rows/s | of offline | p50 ms | p95 ms | p99 ms | not 200 |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in table:
+        print(f"| {r['runtime']} | {r['rows_per_request']} | {r['clients']} | {r['rows_per_s']:,.0f} | "
+              f"{r['of_offline']:.0%} | {r['p50_ms']:.1f} | {r['p95_ms']:.1f} | {r['p99_ms']:.1f} | {r['non_2xx']} |")
+    print(f"\noffline `predict --input`, same model and rows: {limit:,.0f} rows/s. {shed_line}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
