@@ -86,3 +86,22 @@ def evals(records: list[dict], split: str) -> list[dict]:
 
 def explain(proc: subprocess.CompletedProcess) -> str:
     return f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
+
+
+def cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """``torchrec-cloud ARGV`` in this process: (exit code, stdout, stderr)."""
+    from torchrec_cloud.cli import main
+
+    capsys.readouterr()
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def one_line_error(capsys, code: int, *argv: str) -> str:
+    """The one line a refused command prints: exit ``code``, no traceback."""
+    rc, out, err = cli(capsys, *argv)
+    assert rc == code and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]

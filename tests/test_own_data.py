@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from helpers import PYTHON, REPO, env_for_subprocess, evals, explain, read_metrics, run, torchrun
+from helpers import PYTHON, REPO, cli, env_for_subprocess, evals, explain, one_line_error, read_metrics, run, torchrun
 from torchrec_cloud.cli import main
 from torchrec_cloud.data.events_gen import DAY_S, SCHEMA, START, generate, table_of, write_csv, write_events
 
@@ -29,21 +29,6 @@ SPLIT = ["--split_by", "ts", "--val_from", str(START + 2 * DAY_S), "--test_from"
 MODEL = ["--embedding_dim", "8", "--dense_arch_layer_sizes", "32,8", "--over_arch_layer_sizes", "32,1",
          "--learning_rate", "0.05", "--batch_size", "300", "--no-progress", "--no-tensorboard",
          "--eval_every", "0"]  # fmt: skip
-
-
-def cli(capsys, *argv: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def one_line_error(capsys, code: int, *argv: str) -> str:
-    rc, out, err = cli(capsys, *argv)
-    assert rc == code and "Traceback" not in err, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

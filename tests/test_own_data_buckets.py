@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from helpers import PYTHON, evals, explain, read_metrics, run
+from helpers import PYTHON, cli, evals, explain, read_metrics, run
 from torchrec_cloud.cli import main
 
 ROWS = {"train": 3000, "val": 600, "test": 600}
@@ -50,13 +50,6 @@ def rows(n: int, seed: int) -> pa.Table:
     amount_col = pa.array(amount, mask=rng.random(n) < 0.05)
     return pa.table({"outcome": outcome, "amount": amount_col, "age": age, "visits": visits,
                      "country": rng.choice(["fr", "de", "us", "jp"], n)})  # fmt: skip
-
-
-def cli(capsys, *argv: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from helpers import PYTHON, env_for_subprocess, explain, run
+from helpers import PYTHON, cli, env_for_subprocess, explain, run
 from torchrec_cloud.cli import main
 from torchrec_cloud.data.events_gen import DAY_S, SCHEMA, START, write_events
 
@@ -34,13 +34,6 @@ sparse:
   - {name: user, type: string, mapping: vocab, num_embeddings: 100}
   - {name: tags, type: int, list: true, mapping: vocab, num_embeddings: 100}
 """
-
-
-def cli(capsys, *argv: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def one_line_error(capsys, *argv: str) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PYTHON, explain, read_metrics, run
+from helpers import PYTHON, cli, explain, one_line_error, read_metrics, run
 from torchrec_cloud.cli import main
 from torchrec_cloud.config import parse_job_config
 from torchrec_cloud.data.events_gen import DAY_S, SCHEMA, START, generate, write_csv, write_events
@@ -49,21 +49,6 @@ def pinned(tmp_path_factory):
                             "--checkpoint_path", str(root / "ck"), "--output_dir", str(root / "run")]))  # fmt: skip
     assert main(["export", str(root / "ck"), "--output", str(root / "model")]) == 0
     return root
-
-
-def cli(capsys, *argv: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def one_line_error(capsys, code: int, *argv: str) -> str:
-    rc, out, err = cli(capsys, *argv)
-    assert rc == code and "Traceback" not in err, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 def commit_of(folder: Path) -> tuple[Path, dict]:
