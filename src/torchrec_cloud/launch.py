@@ -69,8 +69,9 @@ LOST_PEER = "lost peer"  # how a pod ended for a lost peer starts its reason
 _NODE_RANK_ENVS = ("TORCHREC_CLOUD_NODE_RANK", "JOB_COMPLETION_INDEX", "PET_NODE_RANK", "NODE_RANK",
                    "AWS_BATCH_JOB_NODE_INDEX")
 DEFAULT_PEER_TIMEOUT_S = 30.0
-# The longest the agent waits for the peer watch's verdict before a restart: only a hang of
-# the watch itself (its verdict comes within about --peer_timeout_s) reaches it.
+# The longest the agent (and a rank whose collective failed, preemption.wait_for_lost_peer)
+# waits for the peer watch's verdict: only a hang of the watch itself (its verdict comes within
+# about --peer_timeout_s) reaches it.
 VERDICT_CAP_S = 300.0
 
 

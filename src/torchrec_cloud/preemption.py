@@ -28,7 +28,14 @@ import threading
 import time
 from typing import Any, Optional
 
-from torchrec_cloud.launch import EXIT_PREEMPTED, LOST_PEER, PEER_TIMEOUT_ENV, peers_heard_since, pod_ending
+from torchrec_cloud.launch import (
+    EXIT_PREEMPTED,
+    LOST_PEER,
+    PEER_TIMEOUT_ENV,
+    VERDICT_CAP_S,
+    peers_heard_since,
+    pod_ending,
+)
 
 # A save on SIGTERM must finish this much sooner than the grace: the estimate is one past
 # save's time, and after the save the ranks still meet once and the processes exit.
@@ -171,8 +178,6 @@ def _obey_launcher() -> None:
         os._exit(ending[0])
 
 
-# The longest a failed collective's rank waits for its launcher's verdict (wait_for_lost_peer).
-WAIT_CAP_S = 300.0
 _COLLECTIVE_ERROR = re.compile(r"gloo|nccl|connection (closed|reset|refused)|broken pipe|timed out", re.IGNORECASE)
 
 
@@ -192,7 +197,7 @@ def wait_for_lost_peer(error: BaseException) -> None:
     torchrun would restart in place, using up ``--max_restarts``. Returns (the error is this
     job's own: raise it) once the launcher has heard every peer pod beat after the failure:
     what ends the wait is what the launcher heard, not how long it took a loaded machine to
-    hear it. ``WAIT_CAP_S`` only stops a hang of the launcher itself."""
+    hear it. ``launch.VERDICT_CAP_S`` only stops a hang of the launcher itself."""
     timeout = float(os.environ.get(PEER_TIMEOUT_ENV) or 0)
     if not _under_launcher() or timeout <= 0 or int(os.environ.get("GROUP_WORLD_SIZE", "1")) <= 1:
         return
@@ -203,7 +208,7 @@ def wait_for_lost_peer(error: BaseException) -> None:
     print(f"rank {_rank()}: a collective failed ({text}); waiting for the launcher to check whether a peer pod "
           "is lost", file=sys.stderr, flush=True)  # fmt: skip
     signal.signal(signal.SIGTERM, lambda signum, frame: _obey_launcher() or os._exit(EXIT_PREEMPTED))
-    deadline = failed_at + max(WAIT_CAP_S, 10 * timeout)
+    deadline = failed_at + max(VERDICT_CAP_S, 10 * timeout)
     while time.monotonic() < deadline:
         _obey_launcher()
         heard = peers_heard_since()
