@@ -177,14 +177,18 @@ def _fbgemm_args() -> None:
         assert not missing, f"fbgemm's lookup_args.{cls} has no {', '.join(sorted(missing))}"
 
 
+# fbgemm's PoolingMode and SparseType as the ints its invoker hands speedups/rowwise_adagrad.py:
+# kept here, beside their check, so that the speed-ups import compat and never the reverse.
+POOLING_SUM, POOLING_MEAN = 0, 1
+SPARSE_DTYPE_FP32 = 0
+
+
 def _fbgemm_enums() -> None:
     from fbgemm_gpu.split_embedding_configs import SparseType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 
-    from torchrec_cloud.speedups import rowwise_adagrad as r
-
-    assert (PoolingMode.SUM.value, PoolingMode.MEAN.value) == (r._POOLING_SUM, r._POOLING_MEAN), "PoolingMode"
-    assert SparseType.FP32.as_int() == r._SPARSE_DTYPE_FP32, "SparseType.FP32"
+    assert (PoolingMode.SUM.value, PoolingMode.MEAN.value) == (POOLING_SUM, POOLING_MEAN), "PoolingMode"
+    assert SparseType.FP32.as_int() == SPARSE_DTYPE_FP32, "SparseType.FP32"
 
 
 def _process_group_methods() -> None:
@@ -260,7 +264,7 @@ PRIVATE: tuple[Private, ...] = (
     ),
     Private(
         "fbgemm PoolingMode and SparseType as the invoker's ints",
-        "speedups/rowwise_adagrad.py _POOLING_SUM, _POOLING_MEAN, _SPARSE_DTYPE_FP32",
+        "speedups/rowwise_adagrad.py _fast_path, _RowwiseAdagradLookup: compat.POOLING_SUM, POOLING_MEAN, SPARSE_DTYPE_FP32",
         _fbgemm_enums,
         speedups=("rowwise_adagrad",),
     ),

@@ -20,7 +20,7 @@ import numpy as np
 
 from torchrec_cloud import checksum, storage
 from torchrec_cloud.config import ConfigError
-from torchrec_cloud.data.dataset import MAX_MANIFEST_BYTES, MAX_SHARDS, Shard, check_layout, check_sizes, verify_files
+from torchrec_cloud.data.dataset import CRITEO_FORMAT_NAME, MAX_MANIFEST_BYTES, MAX_SHARDS, Shard, check_layout, check_sizes, verify_files
 from torchrec_cloud.untrusted import MAX_INT, MAX_ROWS, Fields, UntrustedInputError, read_json, shown
 
 INT_FEATURES = 13
@@ -28,7 +28,7 @@ CAT_FEATURES = 26
 FIELDS = 1 + INT_FEATURES + CAT_FEATURES
 DENSE_NAMES = [f"int_{i}" for i in range(INT_FEATURES)]
 SPARSE_NAMES = [f"cat_{i}" for i in range(CAT_FEATURES)]
-FORMAT_NAME = "torchrec-cloud-criteo-shards"
+FORMAT_NAME = CRITEO_FORMAT_NAME
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 PLAN = "_plan.json"

@@ -24,7 +24,7 @@ from torchrec.datasets.utils import Batch
 
 from torchrec_cloud import storage
 from torchrec_cloud.config import ConfigError, JobConfig
-from torchrec_cloud.data import keyed_jagged_tensor
+from torchrec_cloud.data.source import keyed_jagged_tensor
 from torchrec_cloud.data.criteo_format import (
     CAT_FEATURES,
     INT_FEATURES,

@@ -50,6 +50,9 @@ from torchrec_cloud.untrusted import (
 )
 
 FORMAT_NAME = "torchrec-cloud-shards"
+# Criteo's own manifest (criteo_format.py): named here, below it, so that model_features
+# can pass such a dataset by without importing criteo_format.
+CRITEO_FORMAT_NAME = "torchrec-cloud-criteo-shards"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SHARD_DIR = "shards"
@@ -549,15 +552,13 @@ def model_features(cfg: JobConfig) -> JobConfig:
     made from a schema: dense count, sparse names, table sizes, pooling (else ``cfg``)."""
     if cfg.data.dataset_path is None:
         return cfg
-    from torchrec_cloud.data.criteo_format import FORMAT_NAME as CRITEO_FORMAT
-
     try:
         manifest = read_manifest(cfg.data.dataset_path)
     except ConfigError:
         raise
     except storage.StorageError as e:
         raise ConfigError("dataset_path", str(e)) from None
-    if isinstance(manifest, dict) and manifest.get("format") == CRITEO_FORMAT:
+    if isinstance(manifest, dict) and manifest.get("format") == CRITEO_FORMAT_NAME:
         return cfg
     try:
         ds = load_dataset(cfg.data.dataset_path, manifest, check_files=False)

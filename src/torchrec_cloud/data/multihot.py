@@ -22,7 +22,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_cloud.config import MLPERF_MULTI_HOT_SIZES
-from torchrec_cloud.data import keyed_jagged_tensor
+from torchrec_cloud.data.source import keyed_jagged_tensor
 from torchrec_cloud.data.hashing import mix
 
 __all__ = ["MLPERF_MULTI_HOT_SIZES", "expand_multi_hot", "validate_sizes"]

@@ -21,7 +21,7 @@ from torchrec.datasets.utils import Batch
 
 from torchrec_cloud import storage
 from torchrec_cloud.config import ConfigError, JobConfig
-from torchrec_cloud.data import SPLITS, keyed_jagged_tensor
+from torchrec_cloud.data.source import SPLITS, keyed_jagged_tensor
 from torchrec_cloud.data.dataset import (
     OFFSET_BYTES,
     Dataset,

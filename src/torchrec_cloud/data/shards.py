@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 import numpy as np
 
 from torchrec_cloud.config import ConfigError
-from torchrec_cloud.data import SPLITS, DataSource
+from torchrec_cloud.data.source import SPLITS, DataSource
 from torchrec_cloud.data.dataset import Rows
 
 if TYPE_CHECKING:

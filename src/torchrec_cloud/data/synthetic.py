@@ -27,7 +27,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_cloud.config import JobConfig
-from torchrec_cloud.data import SPLITS, DataSource, keyed_jagged_tensor
+from torchrec_cloud.data.source import SPLITS, DataSource, keyed_jagged_tensor
 from torchrec_cloud.data.hashing import hashed_normal, mix
 
 

@@ -21,8 +21,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from torchrec_cloud import __version__
 from torchrec_cloud.config import FlagParser
 from torchrec_cloud.deploy.manifests import (
@@ -32,6 +30,7 @@ from torchrec_cloud.deploy.manifests import (
     render_storage,
     render_template,
 )
+from torchrec_cloud.deploy.pod import images
 from torchrec_cloud.deploy.profiles import Profile, load_profile, profile_names
 from torchrec_cloud.deploy.spec import DeploySpec
 
@@ -51,10 +50,6 @@ def read_stack(root: Path = REPO_ROOT) -> dict[str, str]:
             key, value = line.split("=", 1)
             pins[key.strip()] = value.strip()
     return pins
-
-
-def images() -> dict[str, Any]:
-    return yaml.safe_load((Path(__file__).parent / "images.yaml").read_text())
 
 
 def install_command(flavour: dict[str, Any], stack: dict[str, str], extras: str) -> str:

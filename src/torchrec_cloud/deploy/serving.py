@@ -69,7 +69,7 @@ def _setting(profile: Profile, key: str) -> Any:
 def serve_context(spec: DeploySpec, profile: Profile) -> dict[str, Any]:
     """Every value the ``serve_*`` templates use."""
     from torchrec_cloud.deploy.admission import MIN_KUBERNETES_ANNOTATION, MIN_OPERATORS_ANNOTATION, MIN_VERSIONS
-    from torchrec_cloud.deploy.manifests import _network_policy, _workload_context
+    from torchrec_cloud.deploy.pod import _network_policy, workload_context
 
     port = int(_setting(profile, "port"))
     prestop, drain, margin = (int(_setting(profile, k)) for k in ("prestop_s", "drain_s", "grace_margin_s"))
@@ -77,7 +77,7 @@ def serve_context(spec: DeploySpec, profile: Profile) -> dict[str, Any]:
     instance = profile.instance(spec.instance_type) if spec.gpus else None
     if instance is not None and instance.gpus and spec.gpus > instance.gpus:
         raise ConfigError("gpus", f"{instance.name} has {instance.gpus} GPUs, asked for {spec.gpus}")
-    ctx = _workload_context(spec, profile, instance, grace, one_per_node=False)
+    ctx = workload_context(spec, profile, instance, grace, one_per_node=False)
     if storage.is_url(spec.model_url):  # read from its bucket: the shared file system is not needed
         ctx["volumes"] = [v for v in ctx["volumes"] if v["name"] != "data"]
         ctx["volume_mounts"] = [m for m in ctx["volume_mounts"] if m["name"] != "data"]
@@ -146,7 +146,7 @@ def serve_context(spec: DeploySpec, profile: Profile) -> dict[str, Any]:
 def _resources(spec: DeploySpec, profile: Profile, shm: str) -> dict[str, Any]:
     """A replica's cpu and memory requested and capped (limits default to the requests,
     /dev/shm added to the memory limit, which it counts against), and its GPUs."""
-    from torchrec_cloud.deploy.manifests import _bytes, _cpu_text, _memory_text, _millicores
+    from torchrec_cloud.deploy.pod import _bytes, _cpu_text, _memory_text, _millicores
 
     where = f"profile {profile.name!r}, serving"
     requests = _setting(profile, "gpu_requests" if spec.gpus else "requests")

@@ -38,6 +38,7 @@ import argparse
 import dataclasses
 import io
 import json
+import os
 import sys
 import time
 from typing import Any, Optional, Sequence
@@ -493,6 +494,48 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
+def publish(
+    checkpoint: str,
+    root: str,
+    quantize: str = "none",
+    dataset_path: Optional[str] = None,
+    eval_rows: int = 1_000_000,
+    log=print,
+    formats=None,
+) -> dict[str, Any]:
+    """Export ``checkpoint`` as a new version under ``root`` and make it ``current``;
+    returns its model_config (``lineage.version`` names the folder). The layout of ``root``: :mod:`.publish`."""
+    from torchrec_cloud.serving.publish import CURRENT_FILE, TEMP_PREFIX, dataset_lineage, read_current, version_name
+
+    info = find_checkpoint(checkpoint)  # once: a checkpoint committed meanwhile is not mixed in
+    cfg = job_config(info)
+    version = version_name(info.step)
+    parent = read_current(root)
+    lineage = {
+        "version": version,
+        "parent": parent,
+        "checkpoint": {"path": info.path, "step": info.step},
+        "dataset": dataset_lineage(dataset_path or cfg.data.dataset_path),
+    }
+    final = storage.join(root, version)
+    local = not storage.is_url(root)
+    target = storage.join(root, TEMP_PREFIX + version) if local else final
+    storage.makedirs(root)
+    try:
+        said = (lambda line: log(line.replace(target, final))) if local else log  # the name it will have
+        config = export(info.path, target, quantize, dataset_path, eval_rows, said, formats, lineage)
+        if local:
+            os.rename(target, final)
+    except BaseException:
+        if local:
+            storage.remove(target, recursive=True)  # never left looking like a version
+        raise
+    # write_bytes replaces a local file by a rename; an object is visible once uploaded whole.
+    storage.write_bytes(storage.join(root, CURRENT_FILE), f"{version}\n".encode())
+    log(f"published {final} (parent {parent or 'none'}); {storage.join(root, CURRENT_FILE)} names it")
+    return config
+
+
 def parse_formats(value: Optional[str]) -> Optional[tuple[str, ...]]:
     """``--format``: None (the default) or the named formats, each once."""
     if value is None:
@@ -510,8 +553,6 @@ def _main(ns: argparse.Namespace) -> int:
     if (ns.output is None) == (ns.publish is None):
         raise ConfigError("output", "give --output DIR (one model folder) or --publish ROOT (a new version), one of them")
     if ns.publish is not None:
-        from torchrec_cloud.serving.publish import publish
-
         config = publish(ns.checkpoint, ns.publish, ns.quantize, ns.dataset_path, ns.eval_rows, log, formats)
     else:
         config = export(ns.checkpoint, ns.output, ns.quantize, ns.dataset_path, ns.eval_rows, log, formats)

@@ -22,12 +22,14 @@ its ``model_config.json`` last, and ``current`` after it. A reader (``serve ROOT
 touches the folder ``current`` named before, so a server still loading it is undisturbed.
 Two publishes to one root at the same moment both write their versions; the later rename of
 ``current`` wins, and its ``parent`` may name the version the other published.
+
+``export.publish`` exports a version and names it here; this module imports nothing of
+``export``, so the two modules' imports point one way.
 """
 
 from __future__ import annotations
 
 import datetime
-import os
 from typing import Any, Optional
 
 from torchrec_cloud import checksum, storage
@@ -81,48 +83,6 @@ def dataset_lineage(dataset_path: Optional[str]) -> Optional[dict[str, Any]]:
     except (storage.StorageError, UntrustedInputError):
         digest = None  # a raw Criteo file, or a dataset since moved: the path still says which
     return {"path": dataset_path, "manifest_digest": digest}
-
-
-def publish(
-    checkpoint: str,
-    root: str,
-    quantize: str = "none",
-    dataset_path: Optional[str] = None,
-    eval_rows: int = 1_000_000,
-    log=print,
-    formats=None,
-) -> dict[str, Any]:
-    """Export ``checkpoint`` as a new version under ``root`` and make it ``current``;
-    returns its model_config (``lineage.version`` names the folder)."""
-    from torchrec_cloud.serving.export import export, find_checkpoint, job_config
-
-    info = find_checkpoint(checkpoint)  # once: a checkpoint committed meanwhile is not mixed in
-    cfg = job_config(info)
-    version = version_name(info.step)
-    parent = read_current(root)
-    lineage = {
-        "version": version,
-        "parent": parent,
-        "checkpoint": {"path": info.path, "step": info.step},
-        "dataset": dataset_lineage(dataset_path or cfg.data.dataset_path),
-    }
-    final = storage.join(root, version)
-    local = not storage.is_url(root)
-    target = storage.join(root, TEMP_PREFIX + version) if local else final
-    storage.makedirs(root)
-    try:
-        said = (lambda line: log(line.replace(target, final))) if local else log  # the name it will have
-        config = export(info.path, target, quantize, dataset_path, eval_rows, said, formats, lineage)
-        if local:
-            os.rename(target, final)
-    except BaseException:
-        if local:
-            storage.remove(target, recursive=True)  # never left looking like a version
-        raise
-    # write_bytes replaces a local file by a rename; an object is visible once uploaded whole.
-    storage.write_bytes(storage.join(root, CURRENT_FILE), f"{version}\n".encode())
-    log(f"published {final} (parent {parent or 'none'}); {storage.join(root, CURRENT_FILE)} names it")
-    return config
 
 
 def check_version(root: str, version: str) -> None:

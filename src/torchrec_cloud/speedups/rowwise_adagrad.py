@@ -46,8 +46,6 @@ _ORIGINAL: Optional[Callable[..., torch.Tensor]] = None  # fbgemm's invoker, onc
 # The TBEs whose lookups go through _invoke, by their placeholder parameter (one per TBE,
 # what fbgemm hands the invoker): a TBE that is gone drops out by itself.
 _installed: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
-_POOLING_SUM, _POOLING_MEAN = 0, 1
-_SPARSE_DTYPE_FP32 = 0
 
 
 class _RowwiseAdagradLookup(torch.autograd.Function):
@@ -68,7 +66,7 @@ class _RowwiseAdagradLookup(torch.autograd.Function):
     ) -> torch.Tensor:
         out = pooled_lookup(
             weights, row_base, common.indices, common.offsets, common.indice_weights,
-            mean_pooling=common.pooling_mode == _POOLING_MEAN,
+            mean_pooling=common.pooling_mode == compat.POOLING_MEAN,
         )  # fmt: skip
         if out is None:  # fbgemm's own lookup; autograd is off inside Function.forward, so it only looks up
             assert _ORIGINAL is not None
@@ -93,7 +91,7 @@ class _RowwiseAdagradLookup(torch.autograd.Function):
                 lr=ctx.lr,
                 eps=ctx.eps,
                 indice_weights=ctx.indice_weights,
-                mean_pooling=ctx.pooling_mode == _POOLING_MEAN,
+                mean_pooling=ctx.pooling_mode == compat.POOLING_MEAN,
             )
         return (None,) * 9
 
@@ -251,7 +249,7 @@ def _fast_path(common: Any, optimizer_args: Any, momentum1: Any, extra: dict) ->
     host = common.host_weights
     if host.numel() == 0 or host.dtype != torch.float32 or host.device.type != "cpu":
         return None
-    if common.pooling_mode not in (_POOLING_SUM, _POOLING_MEAN) or common.output_dtype != _SPARSE_DTYPE_FP32:
+    if common.pooling_mode not in (compat.POOLING_SUM, compat.POOLING_MEAN) or common.output_dtype != compat.SPARSE_DTYPE_FP32:
         return None
     if common.vbe_metadata is not None and common.vbe_metadata.B_offsets is not None:
         return None
