@@ -478,7 +478,7 @@ def _code_version() -> str:
 
     parts = [f"{dist}={v}" for dist, v in installed_stack().items()]
     here = Path(__file__).parent
-    for name in ("plan.py", "distributed.py", "model.py", "config.py"):
+    for name in ("plan.py", "distributed.py", "model.py", "config/sections.py", "config/presets.py"):
         parts.append(hashlib.sha256((here / name).read_bytes()).hexdigest()[:16])
     return ";".join(parts)
 
