@@ -49,7 +49,10 @@ def preprocess(tsv: Path, out: Path, workers: int) -> float:
         num_embeddings_per_feature=[100000] * 26, on_bad_line="error", chunk_bytes=16 << 20,
         rows_per_shard=500_000,
     )
-    return criteo_preprocess.preprocess(opts, workers=workers, progress=False).seconds
+    result = criteo_preprocess.preprocess(opts, workers=workers, progress=False)
+    # The one dataset format, Criteo as the built-in schema: what `train --dataset_path` reads.
+    assert result.manifest["format"] == "torchrec-cloud-shards" and result.manifest["schema"]["name"] == "criteo"
+    return result.seconds
 
 
 def torchrec_npy(tsv: Path, tmp: Path) -> float:

@@ -50,6 +50,19 @@ def shard_records(out: str) -> np.ndarray:
     return np.concatenate(parts)
 
 
+def read_all(src) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What training and evaluation read from ``src``, every row of train, val and test in
+    order: labels, dense features (after the transform), the 26 ids."""
+    labels, dense, ids = [], [], []
+    for split in ("train", "val", "test"):
+        for batch, valid in src.eval_batches(split):
+            labels.append(batch.labels[:valid].numpy())
+            dense.append(batch.dense_features[:valid].numpy())
+            kjt = batch.sparse_features
+            ids.append(np.stack([kjt[f"cat_{i}"].values().numpy()[:valid] for i in range(26)], axis=1))
+    return np.concatenate(labels), np.concatenate(dense), np.concatenate(ids)
+
+
 def test_kaggle_matches_torchrec_preprocessing(tmp_path, capsys):
     tsv = tmp_path / "train.txt"
     write_criteo_tsv(str(tsv), rows=3000, seed=0)
@@ -63,24 +76,27 @@ def test_kaggle_matches_torchrec_preprocessing(tmp_path, capsys):
     assert "wrote 3000 rows" in stdout
     manifest = json.loads((out / "manifest.json").read_text())
     assert len(manifest["shards"]) > 2  # several chunks, converted by two processes
-    dense, sparse, labels = torchrec_npys(tsv, tmp_path)
-    rec = shard_records(str(out))
-    np.testing.assert_array_equal(rec["label"], labels[:, 0])
-    np.testing.assert_array_equal(rec["sparse"], sparse % np.array(SIZES))
+    # One dataset format: Criteo is the built-in schema.
+    assert manifest["format"] == "torchrec-cloud-shards" and manifest["schema"]["name"] == "criteo"
 
-    # The reader's dense features are TorchRec's, bit for bit, and the splits are the
-    # references': the last 1/7 held out, split in half.
+    # What training reads is TorchRec's preprocessing of the same lines, row by row: the
+    # labels, the dense features after the transform (bit for bit), the ids (modulo the tables).
+    dense, sparse, labels = torchrec_npys(tsv, tmp_path)
+    src = CriteoSource(str(out), batch_size=100, rank=0, world_size=1, table_sizes=SIZES)
+    got_labels, got_dense, got_ids = read_all(src)
+    np.testing.assert_array_equal(got_labels, labels[:, 0])
+    np.testing.assert_array_equal(got_dense, dense)
+    np.testing.assert_array_equal(got_ids, sparse % np.array(SIZES))
+
+    # The splits are the references': the last 1/7 held out, split in half.
     held = 3000 // 7
     assert manifest["rows"] == 3000
     split_rows = {k: sum(e - s for _, s, e in v) for k, v in manifest["splits"].items()}
     assert split_rows == {"train": 3000 - held, "val": (held + 1) // 2, "test": held // 2}
-    src = CriteoSource(str(out), batch_size=100, rank=0, world_size=1, table_sizes=SIZES)
     batches = list(src.train_batches(0))
     assert len(batches) == (3000 - held) // 100
     got = torch.cat([b.dense_features for b in batches]).numpy()
     np.testing.assert_array_equal(got, dense[: len(got)])
-    ids = torch.stack([b.sparse_features["cat_3"].values() for b in batches]).reshape(-1).numpy()
-    np.testing.assert_array_equal(ids, sparse[: len(ids), 3] % SIZES[3])
     val = [b for b, valid in src.eval_batches("val")]
     start = 3000 - held
     np.testing.assert_array_equal(val[0].dense_features.numpy(), dense[start : start + 100])
@@ -107,18 +123,43 @@ def test_terabyte_gzip_days_match_torchrec(tmp_path, capsys):
     )
     assert rc == 0, err
     manifest = json.loads((out / "manifest.json").read_text())
-    rec = shard_records(str(out))
+    assert manifest["format"] == "torchrec-cloud-shards" and manifest["schema"]["name"] == "criteo"
     ref = [torchrec_npys(plain, tmp_path) for _, plain in days]
-    np.testing.assert_array_equal(rec["label"], np.concatenate([r[2][:, 0] for r in ref]))
-    np.testing.assert_array_equal(rec["sparse"], np.concatenate([r[1] for r in ref]) % 5000)
     assert [s["rows"] for s in manifest["sources"]] == [700, 500, 301]
     # Days 0..N-2 train; the last day's first half (rounded up) val, second half test.
     split_rows = {k: sum(e - s for _, s, e in v) for k, v in manifest["splits"].items()}
     assert split_rows == {"train": 1200, "val": 151, "test": 150}
+    # Row by row as TorchRec's preprocessing of each day file (its dense shift is the day's own).
     src = CriteoSource(str(out), batch_size=150, rank=0, world_size=1, table_sizes=[5000] * 26)
+    got_labels, got_dense, got_ids = read_all(src)
+    np.testing.assert_array_equal(got_labels, np.concatenate([r[2][:, 0] for r in ref]))
+    np.testing.assert_array_equal(got_dense, np.concatenate([r[0] for r in ref]))
+    np.testing.assert_array_equal(got_ids, np.concatenate([r[1] for r in ref]) % 5000)
     test_batches = list(src.eval_batches("test"))
     assert [v for _, v in test_batches] == [150]
     np.testing.assert_array_equal(test_batches[0][0].dense_features.numpy(), ref[2][0][151:])
+
+
+def test_a_criteo_dataset_of_an_older_version_is_refused_naming_the_command(tmp_path, capsys):
+    from helpers import one_line_error
+
+    tsv = tmp_path / "train.txt"
+    write_criteo_tsv(str(tsv), rows=300, seed=1)
+    out = tmp_path / "old"
+    assert preprocess(capsys, "--format", "kaggle", "--input", str(tsv), "--output", str(out), "--num_embeddings", "50")[0] == 0
+    # The manifest as versions before Criteo was the built-in schema wrote it.
+    m = json.loads((out / "manifest.json").read_text())
+    old = {"format": "torchrec-cloud-criteo-shards", "version": 1, "dataset": "kaggle", "rows": m["rows"],
+           "record": m["record"], "num_embeddings_per_feature": [50] * 26, "sources": m["sources"],
+           "shards": m["shards"], "splits": m["splits"]}
+    (out / "manifest.json").write_text(json.dumps(old))
+    rewrite = f"torchrec-cloud data preprocess --format kaggle --input {tsv} --output NEW_FOLDER --num_embeddings_per_feature 50,"
+    for argv in (["train", "--dataset_path", str(out), "--num_batches_per_epoch", "1"],
+                 ["data", "verify", str(out)]):
+        line = one_line_error(capsys, 2 if argv[0] == "train" else 1, *argv)
+        assert "older version" in line and rewrite in line, line
+    with pytest.raises(ConfigError, match="older version"):
+        CriteoSource(str(out), batch_size=10, rank=0, world_size=1, table_sizes=[50] * 26)
 
 
 def test_resume_converts_only_missing_shards(tmp_path, capsys):

@@ -66,6 +66,9 @@ def test_training_on_preprocessed_tsv_learns(tmp_path):
     tsv = tmp_path / "train.txt"
     info = write_criteo_tsv(str(tsv), rows=14_000, seed=0, vocab=60)
     _preprocess(tsv, tmp_path / "data")
+    # One dataset format: Criteo is the built-in schema (the contract other checks rely on).
+    manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
+    assert manifest["format"] == "torchrec-cloud-shards" and manifest["schema"]["name"] == "criteo"
     proc = run([PYTHON, "-m", "torchrec_cloud", "train", "--dataset_path", str(tmp_path / "data"),
                 *MODEL, "--batch_size", "200", "--num_epochs", "2", "--shuffle",
                 "--output_dir", str(tmp_path / "run")])

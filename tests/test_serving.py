@@ -160,7 +160,7 @@ def test_bad_inputs_get_one_line_and_a_nonzero_exit(run, tmp_path, capsys):
     bigger = tmp_path / "bigger"
     shutil.copytree(run / "data", bigger)
     manifest = json.loads((bigger / "manifest.json").read_text())
-    manifest["num_embeddings_per_feature"] = [5000] * 26
+    manifest["transforms"]["table_sizes"] = [5000] * 26
     (bigger / "manifest.json").write_text(json.dumps(manifest))
     line = one_line_error(capsys, "predict", str(run / "model"), "--dataset_path", str(bigger), "--output", str(tmp_path / "o.csv"))
     assert "does not fit the model" in line and "4999" in line, line

@@ -1,8 +1,11 @@
-"""The stored form of preprocessed Criteo data: one fixed-width record per row, and the names
-in its ``manifest.json`` (written by :mod:`~torchrec_cloud.data.criteo_preprocess`, read by
-:mod:`~torchrec_cloud.data.criteo_reader`; docs/data.md describes both), with the checks of
-a dataset that need no torch: its manifest (:func:`load_manifest`), every shard's size
-(:func:`check_shards`, at open) and checksum (:func:`verify_shards`, ``data verify``).
+"""Criteo, the built-in schema, as stored: its record, and the Criteo parts of a dataset's
+``manifest.json`` (the one format, ``torchrec-cloud-shards``, whose ``schema`` is the built-in
+``criteo``: :func:`~torchrec_cloud.data.schema.criteo_schema`), written by
+:mod:`~torchrec_cloud.data.criteo_preprocess`, read by :mod:`~torchrec_cloud.data.criteo_reader`
+(docs/data.md describes both), with the checks that need no torch: the manifest
+(:func:`load_manifest`; the shards and splits as every dataset's,
+:func:`~torchrec_cloud.data.dataset.check_layout`), every shard's size (:func:`check_shards`,
+at open) and checksum (:func:`verify_shards`, ``data verify``).
 
 A row is one little-endian record: the label, the 13 integers as they were in the TSV
 (missing = 0; the reader applies the log transform) and the 26 ids, parsed from hex and
@@ -20,7 +23,21 @@ import numpy as np
 
 from torchrec_cloud import checksum, storage
 from torchrec_cloud.config import ConfigError
-from torchrec_cloud.data.dataset import CRITEO_FORMAT_NAME, MAX_MANIFEST_BYTES, MAX_SHARDS, Shard, check_layout, check_sizes, verify_files
+from torchrec_cloud.data.dataset import (  # noqa: F401 (MANIFEST, SHARD_DIR: Criteo's conversion names them from here)
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    MAX_SHARDS,
+    SHARD_DIR,
+    Shard,
+    check_layout,
+    check_sizes,
+    is_criteo_dataset,
+    refuse_old_criteo,
+    verify_files,
+)
+from torchrec_cloud.data.schema import CRITEO_BUILTIN
 from torchrec_cloud.untrusted import MAX_INT, MAX_ROWS, Fields, UntrustedInputError, read_json, shown
 
 INT_FEATURES = 13
@@ -28,11 +45,7 @@ CAT_FEATURES = 26
 FIELDS = 1 + INT_FEATURES + CAT_FEATURES
 DENSE_NAMES = [f"int_{i}" for i in range(INT_FEATURES)]
 SPARSE_NAMES = [f"cat_{i}" for i in range(CAT_FEATURES)]
-FORMAT_NAME = CRITEO_FORMAT_NAME
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 PLAN = "_plan.json"
-SHARD_DIR = "shards"
 INT32_MAX = 2**31 - 1
 
 
@@ -70,12 +83,15 @@ def load_manifest(path: str) -> dict:
         raise ConfigError("dataset_path", str(e)) from e
     except UntrustedInputError as e:
         raise ConfigError("dataset_path", str(e)) from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME or manifest.get("version") != FORMAT_VERSION:
+    refuse_old_criteo(manifest, path)
+    if not is_criteo_dataset(manifest) or manifest.get("version") != FORMAT_VERSION:
         found = manifest if isinstance(manifest, dict) else {}
+        schema = found.get("schema")
+        name = schema.get("name") if isinstance(schema, dict) else None
         raise ConfigError(
             "dataset_path",
-            f"{url} is not a {FORMAT_NAME} v{FORMAT_VERSION} manifest "
-            f"(format {shown(found.get('format'))}, version {shown(found.get('version'))})",
+            f"{url} is not a {FORMAT_NAME} v{FORMAT_VERSION} manifest of Criteo, the built-in schema "
+            f"(format {shown(found.get('format'))}, version {shown(found.get('version'))}, schema {shown(name)})",
         )
     try:
         return check_manifest(manifest, path)
@@ -93,6 +109,9 @@ def check_manifest(manifest: Any, path: str) -> dict:
     (:func:`check_shards`)."""
     url = storage.join(path, MANIFEST)
     doc = Fields(manifest, url)
+    schema = doc.obj("schema")
+    schema.text("builtin", choices=(CRITEO_BUILTIN,))
+    schema.text("dataset", choices=("kaggle", "terabyte"))
     record = doc.obj("record")
     record.text("byte_order", choices=("little",))
     fields = record.list("fields", 3)
@@ -101,15 +120,22 @@ def check_manifest(manifest: Any, path: str) -> dict:
     sparse_dtype = record.at("fields[2]", fields[2]).text("dtype", choices=("int32", "int64"))
     row_bytes = record_dtype(sparse_dtype).itemsize
     record.int("bytes_per_row", lo=row_bytes, hi=row_bytes)
-    sizes = doc.ints("num_embeddings_per_feature", CAT_FEATURES, lo=1, hi=MAX_INT, optional=True)
+    transforms = doc.obj("transforms")
+    transforms.text("dense", choices=("raw",))
+    sizes = transforms.ints("table_sizes", CAT_FEATURES, lo=1, hi=MAX_INT, optional=True)
     if sizes is not None and len(sizes) != CAT_FEATURES:
-        raise UntrustedInputError(url, "num_embeddings_per_feature", f"needs {CAT_FEATURES} values, got {len(sizes)}")
+        raise UntrustedInputError(url, transforms.field("table_sizes"), f"needs {CAT_FEATURES} values, got {len(sizes)}")
     for i, source in enumerate(doc.list("sources", MAX_SHARDS)):
         entry = doc.at(f"sources[{i}]", source)
         entry.int("rows", hi=MAX_ROWS)
         entry.int("dense_min", lo=-(2**31), hi=2**31 - 1)
-    check_layout(doc, path, row_bytes, sizes_optional=True)  # manifests written before sizes were recorded lack them
+    check_layout(doc, path, row_bytes)
     return manifest
+
+
+def table_sizes(manifest: dict) -> Optional[list[int]]:
+    """The table sizes a checked manifest's ids were reduced to (None: ids kept whole)."""
+    return manifest["transforms"].get("table_sizes")
 
 
 def _exists(path: str) -> bool:
@@ -121,9 +147,8 @@ def _exists(path: str) -> bool:
 
 def shards_of(path: str, manifest: dict) -> list[Shard]:
     """The shards of a checked manifest (:func:`load_manifest`), as every dataset's are described."""
-    row_bytes = int(manifest["record"]["bytes_per_row"])
-    return [Shard(storage.join(path, *s["path"].split("/")), s["path"], s["rows"], s.get("bytes", s["rows"] * row_bytes),
-                  [], s["source"], s.get(checksum.ALGORITHM)) for s in manifest["shards"]]  # fmt: skip
+    return [Shard(storage.join(path, *s["path"].split("/")), s["path"], s["rows"], s["bytes"], [], s["source"],
+                  s.get(checksum.ALGORITHM)) for s in manifest["shards"]]  # fmt: skip
 
 
 def check_shards(path: str, manifest: dict) -> None:

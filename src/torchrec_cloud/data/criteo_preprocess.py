@@ -1,7 +1,10 @@
-"""Criteo TSV to binary shards: ``torchrec-cloud data preprocess``.
+"""Criteo's TSV, the built-in schema's input format, to shards: ``torchrec-cloud data
+preprocess --format kaggle|terabyte`` (``--format`` names the built-in schema ``criteo`` and
+how its splits are cut).
 
 Turns the Criteo Kaggle ``train.txt`` or the Criteo 1TB day files (``day_0`` .. ``day_23``,
-plain or ``.gz``) into fixed-width binary shards plus a ``manifest.json`` that the trainer
+plain or ``.gz``) into fixed-width binary shards plus a ``manifest.json`` of the one dataset
+format (``torchrec-cloud-shards``, its ``schema`` the built-in ``criteo``) that the trainer
 reads with ``--dataset_path`` (see :mod:`torchrec_cloud.data.criteo_reader` and docs/data.md)::
 
     torchrec-cloud data preprocess --format kaggle --input train.txt --output /data/kaggle \\
@@ -43,8 +46,6 @@ import numpy as np
 from torchrec_cloud import checksum, storage
 from torchrec_cloud.data.criteo_format import (
     DENSE_NAMES,
-    FORMAT_NAME,
-    FORMAT_VERSION,
     MANIFEST,
     PLAN,
     SHARD_DIR,
@@ -54,7 +55,8 @@ from torchrec_cloud.data.criteo_format import (
     sparse_dtype_for,
 )
 from torchrec_cloud.data.criteo_parse import BadLineError, PreprocessError, parse_block
-from torchrec_cloud.data.dataset import record_section
+from torchrec_cloud.data.dataset import FORMAT_NAME, FORMAT_VERSION, record_section
+from torchrec_cloud.data.schema import criteo_schema
 from torchrec_cloud.untrusted import (
     MAX_FILE_BYTES,
     MAX_LINE_BYTES,
@@ -215,7 +217,7 @@ class Options:
         d = asdict(self)
         d.pop("output")
         d.pop("on_bad_line")
-        return {"format": FORMAT_NAME, "version": FORMAT_VERSION, **d}
+        return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "schema": "criteo", **d}
 
 
 @dataclass
@@ -517,17 +519,20 @@ def _manifest(opts: Options, markers: list[dict]) -> dict:
                 "dense_min": min(mins) if mins else 0,
             }
         )
+    skipped = sum(s["skipped_lines"] for s in sources)
     return {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
-        "dataset": opts.dataset,
+        "schema": criteo_schema(opts.dataset, opts.num_embeddings_per_feature),
         "rows": sum(s["rows"] for s in sources),
-        "skipped_lines": sum(s["skipped_lines"] for s in sources),
+        "skipped_rows": skipped,
+        "skipped_lines": skipped,
         "skipped_examples": skipped_examples[:20],
         "record": record_section(record_dtype(opts.sparse_dtype)),
         "features": {"label": "label", "dense": DENSE_NAMES, "sparse": SPARSE_NAMES},
-        "dense_encoding": "raw integers, missing = 0; the reader applies the log transform",
-        "num_embeddings_per_feature": opts.num_embeddings_per_feature,
+        # The 13 integers as in the TSV (missing = 0): --dense_transform applies when read,
+        # TorchRec's with the smallest value of the row's input file (sources[].dense_min).
+        "transforms": {"table_sizes": opts.num_embeddings_per_feature, "dense": "raw"},
         "sources": sources,
         "shards": [_shard_entry(opts, m) for m in shards],
         "splits": _splits(opts.dataset, opts, shards),

@@ -1,5 +1,6 @@
-"""Reads preprocessed Criteo shards for training: the data source behind ``--dataset_path``
-for a folder written by ``data preprocess --format kaggle|terabyte``.
+"""Reads the shards of Criteo, the built-in schema, for training: the data source behind
+``--dataset_path`` for a folder written by ``data preprocess --format kaggle|terabyte``
+(:mod:`~torchrec_cloud.data.reader` sends a manifest whose schema is ``criteo`` here).
 
 ``torchrec-cloud data preprocess`` (:mod:`torchrec_cloud.data.criteo_preprocess`) writes shards and a
 ``manifest.json`` to a folder or bucket; this module streams them to each rank as
@@ -33,6 +34,7 @@ from torchrec_cloud.data.criteo_format import (
     load_manifest,
     record_dtype,
     sparse_dtype_for,
+    table_sizes as stored_table_sizes,
 )
 from torchrec_cloud.data.dataset import Rows
 from torchrec_cloud.data.shards import IO_THREADS, WINDOW_ROWS, ShardSource
@@ -71,7 +73,7 @@ class CriteoSource(ShardSource):
                 "num_sparse_features",
                 f"Criteo data has {CAT_FEATURES} categorical features; the model has {len(self.table_sizes)}",
             )
-        stored = manifest.get("num_embeddings_per_feature")
+        stored = stored_table_sizes(manifest)
         self.ids_reduced = stored is not None
         if stored is not None:
             too_small = [i for i, (s, t) in enumerate(zip(stored, self.table_sizes)) if t < s]

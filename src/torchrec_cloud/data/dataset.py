@@ -34,7 +34,7 @@ import numpy as np
 
 from torchrec_cloud import checksum, storage
 from torchrec_cloud.config import ConfigError, JobConfig
-from torchrec_cloud.data.schema import Schema, parse_schema
+from torchrec_cloud.data.schema import Schema, is_criteo, parse_schema
 from torchrec_cloud.untrusted import (
     MAX_FILE_BYTES,
     MAX_ROWS,
@@ -50,9 +50,9 @@ from torchrec_cloud.untrusted import (
 )
 
 FORMAT_NAME = "torchrec-cloud-shards"
-# Criteo's own manifest (criteo_format.py): named here, below it, so that model_features
-# can pass such a dataset by without importing criteo_format.
-CRITEO_FORMAT_NAME = "torchrec-cloud-criteo-shards"
+# The format of Criteo datasets written before Criteo became the built-in schema: refused,
+# with the command that rewrites one (:func:`refuse_old_criteo`).
+OLD_CRITEO_FORMAT = "torchrec-cloud-criteo-shards"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SHARD_DIR = "shards"
@@ -378,7 +378,30 @@ def short(digest: str) -> str:
 
 
 def is_schema_dataset(manifest: Any) -> bool:
-    return isinstance(manifest, dict) and manifest.get("format") == FORMAT_NAME
+    """A manifest of a dataset made from a user's schema (not the built-in Criteo one)."""
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT_NAME and not is_criteo(manifest.get("schema"))
+
+
+def is_criteo_dataset(manifest: Any) -> bool:
+    """A manifest of a dataset made from Criteo's TSV, the built-in schema."""
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT_NAME and is_criteo(manifest.get("schema"))
+
+
+def refuse_old_criteo(manifest: Any, path: str) -> None:
+    """A :class:`ConfigError` for a Criteo dataset written by an older version (its own
+    format, before Criteo was the built-in schema), naming the command that rewrites it."""
+    if not isinstance(manifest, dict) or manifest.get("format") != OLD_CRITEO_FORMAT:
+        return
+    kind = manifest.get("dataset") if manifest.get("dataset") in ("kaggle", "terabyte") else "kaggle|terabyte"
+    sources = manifest.get("sources")
+    inputs = [s["path"] for s in sources if isinstance(s, dict) and isinstance(s.get("path"), str)] if isinstance(sources, list) else []
+    shown_inputs = " ".join(shown(p, 200) for p in inputs[:4]) + (" ..." if len(inputs) > 4 else "") if inputs else "FILES"
+    sizes = manifest.get("num_embeddings_per_feature")
+    tables = (f" --num_embeddings_per_feature {','.join(str(n) for n in sizes)}"
+              if isinstance(sizes, list) and all(type(n) is int for n in sizes) else "")  # fmt: skip
+    raise ConfigError("dataset_path", f"{storage.join(path, MANIFEST)} was written by an older version "
+                      f"({OLD_CRITEO_FORMAT}); rewrite it with: torchrec-cloud data preprocess --format {kind} "
+                      f"--input {shown_inputs} --output NEW_FOLDER{tables}")  # fmt: skip
 
 
 def load_dataset(path: str, manifest: Optional[dict] = None, check_files: bool = True) -> Dataset:
@@ -535,7 +558,7 @@ def read_manifest(path: str) -> dict:
     """The manifest at ``path`` as JSON, size-capped, or a ConfigError saying what to do."""
     url = storage.join(path, MANIFEST)
     try:
-        return read_json(url, MAX_MANIFEST_BYTES)
+        manifest = read_json(url, MAX_MANIFEST_BYTES)
     except storage.StorageNotFoundError:
         if storage.exists(storage.join(path, "_plan.json")):
             hint = "an interrupted preprocessing run: run the same command again to finish it"
@@ -545,6 +568,8 @@ def read_manifest(path: str) -> dict:
         raise ConfigError("dataset_path", f"{url} not found ({hint})") from None
     except UntrustedInputError as e:
         raise ConfigError("dataset_path", str(e)) from None
+    refuse_old_criteo(manifest, path)
+    return manifest
 
 
 def model_features(cfg: JobConfig) -> JobConfig:
@@ -558,8 +583,8 @@ def model_features(cfg: JobConfig) -> JobConfig:
         raise
     except storage.StorageError as e:
         raise ConfigError("dataset_path", str(e)) from None
-    if isinstance(manifest, dict) and manifest.get("format") == CRITEO_FORMAT_NAME:
-        return cfg
+    if is_criteo_dataset(manifest):
+        return cfg  # Criteo's features are the model's flags (13 dense, 26 sparse; --num_embeddings...)
     try:
         ds = load_dataset(cfg.data.dataset_path, manifest, check_files=False)
     except UntrustedInputError as e:

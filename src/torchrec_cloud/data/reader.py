@@ -1,5 +1,6 @@
 """A dataset made from a schema, read for training: the data source behind ``--dataset_path``
-when its manifest is a schema's (a Criteo folder goes to :mod:`~torchrec_cloud.data.criteo_reader`)::
+(one manifest format; a dataset of the built-in schema ``criteo`` has its batches made by
+:mod:`~torchrec_cloud.data.criteo_reader`)::
 
     torchrec-cloud train --dataset_path s3://bucket/events-shards      # features from the manifest
     source = build_dataset_source(cfg, rank, world_size)
@@ -27,7 +28,7 @@ from torchrec_cloud.data.dataset import (
     Dataset,
     Rows,
     check_vocabularies,
-    is_schema_dataset,
+    is_criteo_dataset,
     load_dataset,
     model_features,
     read_manifest,
@@ -128,10 +129,10 @@ class SchemaSource(ShardSource):
 
 
 def build_dataset_source(cfg: JobConfig, rank: int, world_size: int) -> ShardSource:
-    """The source of ``--dataset_path``: a schema's shards, or Criteo's."""
+    """The source of ``--dataset_path``: a schema's shards, the built-in Criteo one's among them."""
     path = cfg.data.dataset_path or ""
-    manifest = read_manifest(path)
-    if not is_schema_dataset(manifest):
+    manifest = read_manifest(path)  # a Criteo dataset of an older version is refused here
+    if is_criteo_dataset(manifest):
         from torchrec_cloud.data.criteo_reader import build_criteo_source
 
         return build_criteo_source(cfg, rank, world_size)

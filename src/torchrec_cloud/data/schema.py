@@ -16,8 +16,8 @@ what ``torchrec-cloud data schema --input URL`` proposes, :mod:`~torchrec_cloud.
 
     schema = load_schema("schema.yaml")          # checked; one line naming file and field
 
-docs/data.md describes every field. Criteo's layout is the built-in schema
-(:data:`CRITEO`, read by its own fast TSV parser); every other dataset goes through this file.
+docs/data.md describes every field. Criteo is the built-in schema (:func:`criteo_schema`,
+its TSV read by its own vectorised parser); every other dataset's schema is read here.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import datetime
 import json
 import re
 from dataclasses import asdict, dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 from torchrec_cloud.untrusted import Fields, UntrustedInputError, number, read_yaml, shown, text
 
@@ -135,16 +135,36 @@ class Schema:
         return checksum.digest(json.dumps(self.to_dict(), sort_keys=True).encode())
 
 
-# Criteo's layout, as a schema: the shards of `data preprocess --format kaggle|terabyte`.
-# Its TSV is parsed by criteo_parse (bit-identical to TorchRec's preprocessing) and its
-# dense transform applied when read (--dense_transform), so it is described here, for the
-# start record and the docs, rather than run through the generic conversion.
+# Criteo, the built-in schema: `data preprocess --format kaggle|terabyte` writes it into the
+# manifest of every Criteo dataset (format torchrec-cloud-shards, as a schema's), which names
+# it by ``builtin: criteo``: a key no user's schema may have, so no YAML file can pass for it.
+# Its input is Criteo's TSV, parsed by criteo_parse (bit-identical to TorchRec's
+# preprocessing, and vectorised); its ids are hexadecimal, taken modulo the table sizes; its
+# 13 integers are stored as they are and transformed when read (--dense_transform: torchrec
+# or log1p), since TorchRec's transform subtracts each input file's smallest value.
+CRITEO_BUILTIN = "criteo"
 CRITEO = {
     "name": "criteo",
     "label": {"column": "label"},
     "dense": [{"name": f"int_{i}", "transform": "criteo (--dense_transform)"} for i in range(13)],
     "sparse": [{"name": f"cat_{i}", "type": "hex", "mapping": "modulo"} for i in range(26)],
 }
+
+
+def criteo_schema(dataset: str, table_sizes: Optional[Sequence[int]]) -> dict[str, Any]:
+    """The built-in schema as a Criteo manifest records it: ``dataset`` (kaggle or terabyte:
+    how the splits are cut) and each id feature's table size (None: ids kept whole, reduced
+    by the model's table sizes when read)."""
+    sparse = [dict(f, num_embeddings=None if table_sizes is None else int(n))
+              for f, n in zip(CRITEO["sparse"], table_sizes or [None] * len(CRITEO["sparse"]))]  # fmt: skip
+    return {**CRITEO, "builtin": CRITEO_BUILTIN, "input": "criteo-tsv", "dataset": dataset,
+            "dense": [dict(f, transform="torchrec|log1p, when read (--dense_transform)") for f in CRITEO["dense"]],
+            "sparse": sparse}  # fmt: skip
+
+
+def is_criteo(raw: Any) -> bool:
+    """A recorded schema (from a manifest) is the built-in Criteo one."""
+    return isinstance(raw, dict) and raw.get("builtin") == CRITEO_BUILTIN
 
 
 def load_schema(path: str) -> Schema:
