@@ -16,10 +16,11 @@ test; ``splits`` counts them). docs/data.md shows a manifest.
 
 Everything a manifest says is checked before it is used (types, ranges, names relative to
 the folder, sizes that add up, each shard's file size as listed), with one line naming the
-file and field (:mod:`torchrec_cloud.untrusted`). The checks of shards and splits
-(:func:`check_layout`), of the shards' files (:func:`check_sizes`, :func:`verify_files`) are
-Criteo's too (:mod:`~torchrec_cloud.data.criteo_format`): its records are a layout without
-list features.
+file and field (:mod:`torchrec_cloud.untrusted`). Criteo, the built-in schema, writes the
+same format (``schema.builtin: criteo``, :func:`is_criteo_dataset`): its record and
+transforms are checked by :mod:`~torchrec_cloud.data.criteo_format`, its shards and splits
+(:func:`check_layout`) and the shards' files (:func:`check_sizes`, :func:`verify_files`) by
+the code here; a Criteo dataset of an older version is refused (:func:`refuse_old_criteo`).
 """
 
 from __future__ import annotations
