@@ -165,6 +165,15 @@ def test_bad_inputs_get_one_line_and_a_nonzero_exit(run, tmp_path, capsys):
     line = one_line_error(capsys, "predict", str(run / "model"), "--dataset_path", str(bigger), "--output", str(tmp_path / "o.csv"))
     assert "does not fit the model" in line and "4999" in line, line
     assert not (tmp_path / "o.csv").exists()
+    # A Criteo dataset written by an older version (its own manifest format): the command that rewrites it.
+    older = tmp_path / "older"
+    shutil.copytree(run / "data", older)
+    manifest = json.loads((older / "manifest.json").read_text())
+    (older / "manifest.json").write_text(json.dumps({"format": "torchrec-cloud-criteo-shards", "version": 1,
+                                                     "dataset": "kaggle", "sources": manifest["sources"]}))
+    line = one_line_error(capsys, "predict", str(run / "model"), "--dataset_path", str(older), "--output", str(tmp_path / "o.csv"))
+    assert "older version" in line and "torchrec-cloud data preprocess --format kaggle --input" in line, line
+    assert not (tmp_path / "o.csv").exists()
 
 
 def test_a_raw_tsv_scores_as_the_shards_made_of_it(run, capsys, tmp_path):
