@@ -9,10 +9,11 @@ still checks it (see ``train.agreed_batches``)::
     for batch, valid_rows in source.eval_batches("val"): ...           # the whole split
     for batch, valid_rows in source.eval_batches("val", rows=131072): ...  # a fixed sample
 
-The interface lives in ``source`` (re-exported here). A batch is TorchRec's ``Batch``: ``dense_features`` [B, num_dense] float32, ``labels`` [B]
-float32 (0 or 1), ``sparse_features`` a KeyedJaggedTensor with one key per table in the
-model's order (``--feature_names``, default ``cat_0``..), int32 lengths, and its
-``length_per_key``/``offset_per_key`` counted on the host: every source builds it with
+The interface lives in ``source`` (re-exported here). A batch is TorchRec's ``Batch``:
+``dense_features`` [B, num_dense] float32, ``labels`` [B] float32 (0 or 1),
+``sparse_features`` a KeyedJaggedTensor with one key per table in the model's order
+(``--feature_names``, default ``cat_0``..), int32 lengths, and its ``length_per_key``/
+``offset_per_key`` counted on the host: every source builds it with
 :func:`keyed_jagged_tensor`.
 
 Where batches come from, by concept (modules of this package):
