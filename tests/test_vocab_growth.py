@@ -143,6 +143,7 @@ def test_prev_of_another_schema_is_refused_in_one_line(capsys, tmp_path):
 def test_damaged_counts_are_refused_in_one_line(capsys, tmp_path):
     root = setup(tmp_path)
     preprocess(capsys, root, 0, {"a": 2, "b": 2})
+    assert cli(capsys, "data", "verify", str(root / "d0"))[0] == 0
     counts = root / "d0" / "vocab" / "user.counts.json"
     counts.write_text(counts.read_text().replace('"counts": [2, 2]', '"counts": [9, 2]'))
     data = write_day(root / "day_1.parquet", {"a": 2})
@@ -150,6 +151,33 @@ def test_damaged_counts_are_refused_in_one_line(capsys, tmp_path):
             "--vocab_from", str(root / "d0"), "--output", str(root / "d1")]  # fmt: skip
     line = one_line_error(capsys, 1, *argv)
     assert "user.counts.json" in line and "checksum" in line
+    rc, _, err = cli(capsys, "data", "verify", str(root / "d0"))
+    assert rc == 1 and "user.counts.json" in err and "Traceback" not in err
     counts.write_text(counts.read_text() + " ")  # longer than recorded
     assert "user.counts.json" in one_line_error(capsys, 1, *argv)
     assert not (root / "d1" / "manifest.json").exists()
+
+
+def test_a_drifting_world_grows_the_vocabularies_and_every_kept_id_keeps_its_row(capsys, tmp_path):
+    """events_gen's drift (new items, churning users) over three days, both ids by vocabulary:
+    each day admits new ids, and an id of yesterday's vocabulary is on the same row today."""
+    from torchrec_cloud.data.events_gen import SCHEMA as EVENTS, Drift, generate, write_events
+
+    drift = Drift(new_items=30, popularity_shift=0.1, user_churn=0.3)
+    assert set(generate(300, 0, 1)["user"]) == set(generate(300, 0, 1, Drift())["user"])  # no drift: the same rows
+    info = write_events(str(tmp_path / "events"), days=3, rows_per_day=1500, seed=1, drift=drift)
+    assert all(0.5 < auc < 1 for auc in info["bayes_auc_by_day"])
+    (tmp_path / "schema.yaml").write_text(EVENTS.replace("mapping: hash, num_embeddings: 600", "mapping: vocab, num_embeddings: 600"))
+    vocabularies = []
+    for day, path in enumerate(info["files"]):
+        argv = ["data", "preprocess", "--no_progress", "--workers", "1", "--schema", str(tmp_path / "schema.yaml"),
+                "--input", path, "--output", str(tmp_path / f"d{day}")]  # fmt: skip
+        rc, _, err = cli(capsys, *argv + (["--vocab_from", str(tmp_path / f"d{day - 1}")] if day else []))
+        assert rc == 0, err
+        vocabularies.append({n: json.loads((tmp_path / f"d{day}" / "vocab" / f"{n}.json").read_text())["values"]
+                             for n in ("user", "item")})  # fmt: skip
+    for before, after in zip(vocabularies, vocabularies[1:]):
+        for name in ("user", "item"):
+            assert after[name][: len(before[name])] == before[name]  # room to spare: nothing evicted
+            assert len(after[name]) > len(before[name])
+    assert any(i >= 300 for i in vocabularies[2]["item"]) and any("-" in u for u in vocabularies[2]["user"])

@@ -217,6 +217,10 @@ def cmd_verify(ns: argparse.Namespace) -> int:
             ds = load_dataset(ns.path, raw, check_files=False)
             report = verify_files(ns.path, ds.shards)
             vocab_problems = check_vocabularies(ns.path, ds.vocab_files, ds.manifest_url)
+            if not vocab_problems:  # each counts file is checked against its vocabulary's ids
+                from torchrec_cloud.data.vocab import check_counts
+
+                vocab_problems = check_counts(ns.path, raw)
             vocabularies = f" and {counted(len(ds.vocab_files), 'vocabulary file')}" if ds.vocab_files else ""
         else:
             report = verify_shards(ns.path, load_manifest(ns.path))

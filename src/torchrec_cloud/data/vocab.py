@@ -325,6 +325,29 @@ def _compatible(old: Schema, new: Schema, path: str, vocab_files: dict) -> None:
             refuse(f"{b.name}'s num_embeddings is {a.num_embeddings} there, {b.num_embeddings} here (its ids would change rows)")
 
 
+def check_counts(folder: str, manifest: dict) -> list[str]:
+    """Every counts file of the dataset at ``folder`` read back against the manifest (its size,
+    checksum and fields), for ``data verify``: one line per file that is missing or differs."""
+    url = storage.join(folder, MANIFEST)
+    sec = vocabulary_section(manifest, url)
+    if not sec["counts"]:
+        return []
+    ds = load_dataset(folder, manifest, check_files=False)
+    problems = []
+    for f in ds.schema.sparse:
+        entry = sec["counts"].get(f.name)
+        if entry is None:
+            continue
+        try:
+            ids = read_vocabularies(folder, {f.name: ds.vocab_files[f.name]}, url)[f.name]
+            _read_counts(folder, entry, f, ids, sec["version"])
+        except storage.StorageNotFoundError:
+            problems.append(f"{storage.join(folder, *entry['path'].split('/'))}: missing (the manifest lists it); preprocess again")
+        except (UntrustedInputError, storage.StorageError) as err:
+            problems.append(f"{err}; preprocess again")
+    return problems
+
+
 def _read_counts(folder: str, entry: dict, f: Sparse, ids: list, version: int) -> State:
     """A counts file, read no further than its recorded size, checksummed, every field checked."""
     local_member(folder, entry["path"], storage.join(folder, MANIFEST), f"{SECTION}.counts.{f.name}.path")
