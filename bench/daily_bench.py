@@ -106,8 +106,10 @@ class Bench:
         """Train on ``day``'s dataset (from ``warm_start``'s checkpoint), export the model; the
         samples trained."""
         a = self.args
-        argv = ["train", "--dataset_path", str(day.data), "--batch_size", str(a.batch_size), "--num_epochs", str(a.epochs),
-                "--learning_rate", str(a.learning_rate), "--embedding_dim", "16", "--dense_arch_layer_sizes", "64,16",
+        epochs = a.epochs if warm_start is None else a.warm_epochs or a.epochs
+        rate = a.learning_rate if warm_start is None else a.warm_learning_rate or a.learning_rate
+        argv = ["train", "--dataset_path", str(day.data), "--batch_size", str(a.batch_size), "--num_epochs", str(epochs),
+                "--learning_rate", str(rate), "--embedding_dim", "16", "--dense_arch_layer_sizes", "64,16",
                 "--over_arch_layer_sizes", "128,64,1", "--eval_every", "0", "--shuffle", "--no-progress",
                 "--no-tensorboard", "--checkpoint_path", str(day.ck), "--output_dir", str(day.run)]  # fmt: skip
         if warm_start is not None:
@@ -115,7 +117,7 @@ class Bench:
         command(*argv)
         command("export", str(day.ck), "--output", str(day.model))
         manifest = json.loads((day.data / "manifest.json").read_text())
-        return a.epochs * sum(end - start for _, start, end in manifest["splits"]["train"])
+        return epochs * sum(end - start for _, start, end in manifest["splits"]["train"])
 
     def next_day_auc(self, day: Day, d: int) -> float:
         """AUC of ``day``'s model on every row of day d + 1."""
@@ -187,6 +189,8 @@ def main() -> None:
     p.add_argument("--batch_size", type=int, default=1024)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--learning_rate", type=float, default=0.03)
+    p.add_argument("--warm_epochs", type=int, default=None, help="(a)'s epochs over each day (default: --epochs)")
+    p.add_argument("--warm_learning_rate", type=float, default=None, help="(a)'s learning rate (default: --learning_rate)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", default=None, metavar="DIR", help="keep every dataset, checkpoint and model here (default: a temporary folder)")
     p.add_argument("--json", action="store_true")
@@ -209,7 +213,8 @@ def main() -> None:
         print(line)
     if args.json:
         settings = {k: getattr(args, k) for k in ("days", "rows_per_day", "new_items", "popularity_shift", "user_churn",
-                                                   "batch_size", "epochs", "learning_rate", "seed")}  # fmt: skip
+                                                   "batch_size", "epochs", "learning_rate", "warm_epochs", "warm_learning_rate",
+                                                   "seed")}  # fmt: skip
         print(json.dumps({**out, "settings": settings}))
 
 

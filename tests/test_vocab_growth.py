@@ -155,6 +155,12 @@ def test_damaged_counts_are_refused_in_one_line(capsys, tmp_path):
     assert rc == 1 and "user.counts.json" in err and "Traceback" not in err
     counts.write_text(counts.read_text() + " ")  # longer than recorded
     assert "user.counts.json" in one_line_error(capsys, 1, *argv)
+    manifest = root / "d0" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    m["vocabulary"]["digest"] = "0" * 64  # a lineage claimed that its vocabularies do not have
+    manifest.write_text(json.dumps(m))
+    line = one_line_error(capsys, 1, *argv)
+    assert "manifest.json: vocabulary.digest: is not the digest of this dataset's vocabularies" in line
     assert not (root / "d1" / "manifest.json").exists()
 
 
