@@ -121,8 +121,8 @@ class Bench:
 
     def next_day_auc(self, day: Day, d: int) -> float:
         """AUC of ``day``'s model on every row of day d + 1."""
-        out = command("predict", str(day.model), "--input", self.files[d + 1], "--output", str(day.folder / f"scores_{d + 1}.csv"),
-                      "--json", "--no_progress")  # fmt: skip
+        scores = day.folder / f"scores_{d + 1}.csv"
+        out = command("predict", str(day.model), "--input", self.files[d + 1], "--output", str(scores), "--json", "--no_progress")
         return json.loads(out.strip().splitlines()[-1])["auc"]
 
     def run(self, approaches: list[str]) -> dict:
@@ -184,7 +184,8 @@ def main() -> None:
     p.add_argument("--days", type=int, default=7, help="days trained (one more is generated: the last day's next day)")
     p.add_argument("--rows_per_day", type=int, default=20_000)
     p.add_argument("--new_items", type=int, default=40, help="drift: items that appear each day")
-    p.add_argument("--popularity_shift", type=float, default=0.05, help="drift: the older items' ranking rotates by this fraction a day")
+    p.add_argument("--popularity_shift", type=float, default=0.05,
+                   help="drift: the older items' ranking rotates by this fraction a day")
     p.add_argument("--user_churn", type=float, default=0.1, help="drift: the fraction of users replaced each day")
     p.add_argument("--batch_size", type=int, default=1024)
     p.add_argument("--epochs", type=int, default=3)
@@ -192,7 +193,8 @@ def main() -> None:
     p.add_argument("--warm_epochs", type=int, default=None, help="(a)'s epochs over each day (default: --epochs)")
     p.add_argument("--warm_learning_rate", type=float, default=None, help="(a)'s learning rate (default: --learning_rate)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--work", default=None, metavar="DIR", help="keep every dataset, checkpoint and model here (default: a temporary folder)")
+    p.add_argument("--work", default=None, metavar="DIR",
+                   help="keep every dataset, checkpoint and model here (default: a temporary folder)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     approaches = [a.strip() for a in args.approaches.split(",") if a.strip()]

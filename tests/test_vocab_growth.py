@@ -173,7 +173,8 @@ def test_a_drifting_world_grows_the_vocabularies_and_every_kept_id_keeps_its_row
     assert set(generate(300, 0, 1)["user"]) == set(generate(300, 0, 1, Drift())["user"])  # no drift: the same rows
     info = write_events(str(tmp_path / "events"), days=3, rows_per_day=1500, seed=1, drift=drift)
     assert all(0.5 < auc < 1 for auc in info["bayes_auc_by_day"])
-    (tmp_path / "schema.yaml").write_text(EVENTS.replace("mapping: hash, num_embeddings: 600", "mapping: vocab, num_embeddings: 600"))
+    both = EVENTS.replace("mapping: hash, num_embeddings: 600", "mapping: vocab, num_embeddings: 600")
+    (tmp_path / "schema.yaml").write_text(both)
     vocabularies = []
     for day, path in enumerate(info["files"]):
         argv = ["data", "preprocess", "--no_progress", "--workers", "1", "--schema", str(tmp_path / "schema.yaml"),

@@ -40,7 +40,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from torchrec_cloud import checksum, storage
 from torchrec_cloud.data.criteo_parse import PreprocessError
@@ -342,7 +342,8 @@ def check_counts(folder: str, manifest: dict) -> list[str]:
             ids = read_vocabularies(folder, {f.name: ds.vocab_files[f.name]}, url)[f.name]
             _read_counts(folder, entry, f, ids, sec["version"])
         except storage.StorageNotFoundError:
-            problems.append(f"{storage.join(folder, *entry['path'].split('/'))}: missing (the manifest lists it); preprocess again")
+            missing = storage.join(folder, *entry["path"].split("/"))
+            problems.append(f"{missing}: missing (the manifest lists it); preprocess again")
         except (UntrustedInputError, storage.StorageError) as err:
             problems.append(f"{err}; preprocess again")
     return problems
