@@ -356,7 +356,7 @@ class Inference:
         self.metrics = state.metrics
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        match = self.PATHS.fullmatch(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        match = self.PATHS.fullmatch(scope["path"]) if scope["type"] == "http" else None
         if match is None:
             return await self.app(scope, receive, send)
         protocol, name = ("v1", match.group(1)) if match.group(1) is not None else ("v2", match.group(2))
@@ -364,6 +364,8 @@ class Inference:
         info["endpoint"] = protocol
         self.metrics.in_flight.inc()
         try:
+            if scope["method"] != "POST":
+                raise Refused(405, f"{scope['method'][:10]} is not allowed here: POST a request")
             status, body, headers = await self.answer(scope, receive, info, protocol, name)
         except Refused as e:
             status, body = e.status, _error_body(str(e))
@@ -373,6 +375,8 @@ class Inference:
             status, body, headers = 500, _error_body(f"internal error ({type(e).__name__})"), []
         finally:
             self.metrics.in_flight.dec()
+        if status == 405:
+            headers.append((b"allow", b"POST"))
         headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
