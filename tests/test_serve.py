@@ -285,6 +285,25 @@ def test_bad_requests_get_one_json_line_naming_the_column_or_limit(events, serve
     assert any(" POST /v1/models/m:predict 413 " in line for line in access), access[-5:]
 
 
+def test_a_one_row_request_takes_the_forms_its_columns_take_alone():
+    """rows_v1 decides a one-row request's forms at a glance; they must be column_form's (the
+    forms decide which requests are converted together, so a wrong one would mix types)."""
+    from torchrec_cloud.serving.model import CRITEO_HEX, CRITEO_INT, ID, IDS, NUMBER, Column
+    from torchrec_cloud.serving.server import Refused, column_form, rows_v1
+
+    values = [None, "", "7", "a1", 3, -2, 2.5, float("nan"), True, [1, 2], ["a", 3], [], {"x": 1}]
+    for kind in (NUMBER, ID, IDS, CRITEO_INT, CRITEO_HEX):
+        c = Column("x", kind)
+        for v in values:
+            answers = []
+            for decide in (lambda: column_form(c, [v], "column"), lambda: rows_v1({"instances": [{"x": v}]}, [c], 10).forms[0]):
+                try:
+                    answers.append(decide())
+                except Refused as e:
+                    answers.append(f"{e.status} {e}")
+            assert answers[0] == answers[1], (kind, v, answers)
+
+
 def test_a_full_queue_answers_503_at_once_and_sigterm_answers_what_it_holds(events, tmp_path):
     """A batch that can never fill (256 rows, a wait longer than the test) holds the two
     requests the queue has room for; the third is refused at once. SIGTERM then scores the

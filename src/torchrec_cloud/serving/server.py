@@ -127,14 +127,26 @@ def rows_v1(payload: Any, columns: list[Column], max_rows: int) -> ValueRows:
         if not isinstance(row, dict):
             raise Refused(400, f"instances[{i}] is {_type(row)}, not an object of the schema's columns")
     values, forms = {}, {}
+    one = rows[0] if len(rows) == 1 else None
     for c in columns:
         try:
-            values[c.name] = column = [r[c.name] for r in rows]
+            values[c.name] = column = [one[c.name]] if one is not None else [r[c.name] for r in rows]
         except KeyError:
             i = next(i for i, r in enumerate(rows) if c.name not in r)
             raise Refused(400, f"instances[{i}] has no column {c.name} (null for a missing value)") from None
-        forms[c.name] = column_form(c, column, "column")
+        form = None
+        if one is not None:  # a one-row request's usual values decide their form at a glance
+            v = column[0]
+            form = (TEXT if v else None) if v.__class__ is str else _ONE_VALUE.get((c.kind, v.__class__))
+        forms[c.name] = form or column_form(c, column, "column")
     return ValueRows(columns, values, forms, len(rows), "column")
+
+
+# The form column_form gives a column of one value of a kind and a class (a text value that is
+# not empty is TEXT in every kind; floats, lists and empty text go through column_form).
+_ONE_VALUE = {(CRITEO_INT, int): TEXT, (CRITEO_INT, type(None)): TEXT, (CRITEO_HEX, type(None)): TEXT,
+              (NUMBER, int): FLOATS, (NUMBER, type(None)): FLOATS, (ID, int): INTS, (ID, type(None)): NULLS,
+              (IDS, type(None)): INT_LISTS}  # fmt: skip
 
 
 def rows_v2(payload: Any, columns: list[Column], max_rows: int) -> ValueRows:
@@ -354,6 +366,7 @@ class Inference:
         self.queue_full = _error_body(f"the queue is full ({ns.max_queue} requests, --max_queue): retry")
         self.not_loaded = _error_body(f"model {state.name} is not loaded yet")
         self.metrics = state.metrics
+        self.answers = Answers()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         match = self.PATHS.fullmatch(scope["path"]) if scope["type"] == "http" else None
@@ -403,19 +416,17 @@ class Inference:
         info["rows"] = rows.num_rows
         loop = asyncio.get_running_loop()
         answer = loop.create_future()
-
-        def settle(result: Any, model: Any) -> None:
-            if not answer.done():
-                answer.set_result((result, model))
-
-        item = state.batcher.submit(rows, rows.num_rows, lambda r, m: loop.call_soon_threadsafe(settle, r, m))
+        item = state.batcher.submit(rows, rows.num_rows, lambda r, m: self.answers.put(loop, answer, (r, m)))
         if item is None:
             return 503, self.queue_full, [(b"retry-after", b"1")]
+        timer = loop.call_later(ns.timeout_s, lambda: answer.done() or answer.set_exception(asyncio.TimeoutError()))
         try:
-            result, model = await asyncio.wait_for(asyncio.shield(answer), ns.timeout_s)
+            result, model = await answer
         except asyncio.TimeoutError:
             state.batcher.cancel(item)
             raise Refused(504, f"not scored within {ns.timeout_s:g}s (--timeout_s)") from None
+        finally:
+            timer.cancel()
         info["version"] = model.version
         if isinstance(result, RequestError):
             raise Refused(400, str(result))
@@ -431,6 +442,32 @@ class Inference:
         if isinstance(payload.get("id"), str):
             out["id"] = payload["id"][:256]
         return 200, _json(out), headers
+
+
+class Answers:
+    """Results from the batcher's thread to the event loop: one wake-up of the loop for a
+    batch's answers, not one per request."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: list = []
+        self._scheduled = False
+
+    def put(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any) -> None:
+        """From any thread: ``future`` gets ``value`` (unless it is done: a timeout)."""
+        with self._lock:
+            self._pending.append((future, value))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        loop.call_soon_threadsafe(self._settle)
+
+    def _settle(self) -> None:
+        with self._lock:
+            pending, self._pending, self._scheduled = self._pending, [], False
+        for future, value in pending:
+            if not future.done():
+                future.set_result(value)
 
 
 async def read_body(receive: Any, cap: int) -> bytes:
