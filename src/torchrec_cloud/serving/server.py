@@ -527,7 +527,7 @@ class AccessLog:
             extra = f" rows={info['rows']}" if "rows" in info else ""
             extra += f" version={info['version']}" if "version" in info else ""
             path = scope.get("path", "")[:200].encode("unicode_escape").decode()
-            print(f"access {client[0]}:{client[1]} {scope.get('method')} {path} {code}{extra} {seconds * 1000:.1f}ms",
+            print(f"access {client[0]}:{client[1]} {scope.get('method')} {path} {code}{extra} {seconds * 1000:.2f}ms",
                   file=sys.stderr, flush=True)  # fmt: skip
 
 
