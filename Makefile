@@ -1,12 +1,15 @@
 # The README's two commands: `make quickstart` and `make test`. Both install the pinned
 # stack into .venv first (fast when already done): `make quickstart` with what the
-# commands need (the `report` and `deploy` extras), `make test` also with the test tools,
-# storage emulators and cloud SDKs (the `test` extra).
+# commands need (the `report`, `deploy` and `serve` extras), `make test` also with the test
+# tools, storage emulators and cloud SDKs (the `test` extra). `make quickstart` keeps its
+# model's checkpoint in $(OUTPUT_DIR)/checkpoints, which `export` turns into a model that
+# `serve` answers requests with (docs/serving.md, "Serve a model: three commands"); run again,
+# it resumes that finished checkpoint rather than training anew (`make clean` first for that).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 OUTPUT_DIR ?= runs/quickstart
 PYTEST_ARGS ?=
-EXTRAS ?= report,deploy
+EXTRAS ?= report,deploy,serve
 
 .PHONY: install quickstart test bench clean render
 
@@ -14,7 +17,7 @@ install:
 	@VENV=$(VENV) EXTRAS=$(EXTRAS) bash scripts/install.sh
 
 quickstart: install
-	$(PY) -m torchrec_cloud train --preset quickstart --output_dir $(OUTPUT_DIR)
+	$(PY) -m torchrec_cloud train --preset quickstart --output_dir $(OUTPUT_DIR) --checkpoint_path $(OUTPUT_DIR)/checkpoints
 
 test: EXTRAS = test
 test: install

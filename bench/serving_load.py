@@ -10,10 +10,11 @@ exported as TorchScript and as an AOTInductor package; 4,096 generated raw Crite
 ``predict --input`` on them (the limit: rows/s of scoring the same rows offline, whole
 batches, no HTTP); then for each runtime (``serve --runtime torchscript|pt2``), request size
 (1 and 64 rows, v1 ``instances``) and number of clients (1, 16, 64 connections), ``wrk -d
-DURATION`` against ``/v1/models/NAME:predict``: rows/s, p50/p95/p99 latency and the answers
-that were not 200. Last, the shedding point: 256 connections of 64-row requests against a
-server with ``--max_queue 8``: how many were shed (503) and how fast the server answered them
-(its access log's times of the 503 lines). Prints one line per run and a Markdown table for
+DURATION`` against ``/v1/models/NAME:predict``: rows/s, p50/p95/p99 latency, the answers
+that were not 200, and the server's own CPU time per request (from /proc: on a shared
+machine, the figure other processes distort least). Last, the shedding point: 256
+connections of 64-row requests against a server with ``--max_queue 8``: how many were shed
+(503) and how fast the server answered them (its access log's times of the 503 lines). Prints one line per run and a Markdown table for
 bench/RESULTS.md. The server and wrk share this machine's cores: a 2-core machine measures
 their sum, not the server alone.
 """
@@ -21,6 +22,7 @@ their sum, not the server alone.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -125,6 +127,11 @@ class Server:
                 time.sleep(0.2)
         raise SystemExit("serve was not ready in 300 s")
 
+    def cpu_s(self) -> float:
+        """The server's CPU seconds so far (user + system, all its threads), from /proc."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
         try:
@@ -161,6 +168,9 @@ def main() -> int:
     script.write_text(WRK_SCRIPT)
     limit = offline_rows_per_s(model, tsv, folder / "scores.csv")
     print(f"offline predict --input: {limit:,.0f} rows/s ({args.rows} rows)", flush=True)
+    # uvicorn parses HTTP with httptools when it is installed, h11 otherwise: say which ran.
+    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    print(f"serve's HTTP parser: {http} (uvicorn's choice: httptools when installed)", flush=True)
     table = []
     for runtime in args.runtimes.split(","):
         server = Server(model, runtime, folder / f"serve-{runtime}.log")
@@ -168,14 +178,18 @@ def main() -> int:
             for n, body in bodies.items():
                 wrk(server.url, body, 4, 2, script)  # warm-up
                 for clients in (1, 16, 64):
+                    cpu = server.cpu_s()
                     r = wrk(server.url, body, clients, args.seconds, script)
+                    # The server's own CPU per request: what a busy shared machine does not distort.
+                    cpu_us = (server.cpu_s() - cpu) / max(r["requests"], 1) * 1e6
                     rows_per_s = r["requests"] * n / r["seconds"]
                     row = {"runtime": runtime, "rows_per_request": n, "clients": clients, "rows_per_s": rows_per_s,
-                           "of_offline": rows_per_s / limit, **r}  # fmt: skip
+                           "of_offline": rows_per_s / limit, "server_cpu_us_per_request": cpu_us, **r}  # fmt: skip
                     table.append(row)
                     print(f"{runtime} {n}-row requests, {clients} clients: {rows_per_s:,.0f} rows/s "
                           f"({rows_per_s / limit:.0%} of offline), p50 {r['p50_ms']:.1f} ms, p95 {r['p95_ms']:.1f} ms, "
-                          f"p99 {r['p99_ms']:.1f} ms, not 200: {r['non_2xx']}, socket errors {r['socket_errors']}",
+                          f"p99 {r['p99_ms']:.1f} ms, not 200: {r['non_2xx']}, socket errors {r['socket_errors']}, "
+                          f"server CPU {cpu_us:,.0f} us a request",
                           flush=True)  # fmt: skip
                     if args.json:
                         print(json.dumps(row), flush=True)
@@ -195,12 +209,13 @@ def main() -> int:
                                     "(the server's own time)" if times else ""))  # fmt: skip
     print(shed_line, flush=True)
 
-    print("\n| runtime | rows/request | clients | rows/s | of offline | p50 ms | p95 ms | p99 ms | not 200 |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("\n| runtime | rows/request | clients | rows/s | of offline | p50 ms | p95 ms | p99 ms | not 200 | server CPU us/request |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in table:
         print(f"| {r['runtime']} | {r['rows_per_request']} | {r['clients']} | {r['rows_per_s']:,.0f} | "
-              f"{r['of_offline']:.0%} | {r['p50_ms']:.1f} | {r['p95_ms']:.1f} | {r['p99_ms']:.1f} | {r['non_2xx']} |")
-    print(f"\noffline `predict --input`, same model and rows: {limit:,.0f} rows/s. {shed_line}")
+              f"{r['of_offline']:.0%} | {r['p50_ms']:.1f} | {r['p95_ms']:.1f} | {r['p99_ms']:.1f} | {r['non_2xx']} | "
+              f"{r['server_cpu_us_per_request']:,.0f} |")
+    print(f"\noffline `predict --input`, same model and rows: {limit:,.0f} rows/s; HTTP parser {http}. {shed_line}")
     return 0
 
 

@@ -17,7 +17,7 @@ def quickstart_command(output_dir: str) -> list[str]:
     lines = (REPO / "Makefile").read_text().splitlines()
     recipe = lines[lines.index("quickstart: install") + 1].strip()
     assert recipe.startswith("$(PY) -m torchrec_cloud train"), recipe
-    return [PYTHON if w == "$(PY)" else output_dir if w == "$(OUTPUT_DIR)" else w for w in shlex.split(recipe)]
+    return [PYTHON if w == "$(PY)" else w.replace("$(OUTPUT_DIR)", output_dir) for w in shlex.split(recipe)]
 
 
 def test_make_quickstart_ends_near_the_bayes_optimal_auc(tmp_path):

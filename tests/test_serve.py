@@ -17,8 +17,10 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -259,6 +261,7 @@ def test_bad_requests_get_one_json_line_naming_the_column_or_limit(events, serve
         (request(url, raw=b'{"instances": [' + b" " * 200_001 + b"]}"), 413, "--max_body_bytes"),
         (request(url, {"instances": []}), 400, "no rows"),
         (request(served.url + "/v1/models/other:predict", {"instances": [row]}), 404, "other"),
+        (request(url, method="GET"), 405, "POST"),
         (request(served.url + "/v2/models/m/infer", {"inputs": [{"name": c, "shape": [1], "datatype": "FP16",
                                                                  "data": [1]} for c in COLUMNS]}), 400, "FP16"),  # fmt: skip
         (request(served.url + "/v2/models/m/infer", {"inputs": v2_inputs(pq.read_table(events / "events" / "day_2.parquet")
@@ -282,6 +285,25 @@ def test_bad_requests_get_one_json_line_naming_the_column_or_limit(events, serve
     assert any(" POST /v1/models/m:predict 413 " in line for line in access), access[-5:]
 
 
+def test_a_one_row_request_takes_the_forms_its_columns_take_alone():
+    """rows_v1 decides a one-row request's forms at a glance; they must be column_form's (the
+    forms decide which requests are converted together, so a wrong one would mix types)."""
+    from torchrec_cloud.serving.model import CRITEO_HEX, CRITEO_INT, ID, IDS, NUMBER, Column
+    from torchrec_cloud.serving.server import Refused, column_form, rows_v1
+
+    values = [None, "", "7", "a1", 3, -2, 2.5, float("nan"), True, [1, 2], ["a", 3], [], {"x": 1}]
+    for kind in (NUMBER, ID, IDS, CRITEO_INT, CRITEO_HEX):
+        c = Column("x", kind)
+        for v in values:
+            answers = []
+            for decide in (lambda: column_form(c, [v], "column"), lambda: rows_v1({"instances": [{"x": v}]}, [c], 10).forms[0]):
+                try:
+                    answers.append(decide())
+                except Refused as e:
+                    answers.append(f"{e.status} {e}")
+            assert answers[0] == answers[1], (kind, v, answers)
+
+
 def test_a_full_queue_answers_503_at_once_and_sigterm_answers_what_it_holds(events, tmp_path):
     """A batch that can never fill (256 rows, a wait longer than the test) holds the two
     requests the queue has room for; the third is refused at once. SIGTERM then scores the
@@ -298,6 +320,11 @@ def test_a_full_queue_answers_503_at_once_and_sigterm_answers_what_it_holds(even
         status, headers, body = request(server.url + "/v2/models/m/infer",
                                         {"inputs": v2_inputs(pq.read_table(events / "events" / "day_2.parquet").slice(0, 1))})  # fmt: skip
         assert status == 503 and headers.get("retry-after") == "1" and "--max_queue" in body["error"], body
+        # Shed before the body is read: headers announcing a body that never comes get their 503.
+        head = headers_only_answer(server.port, b"POST /v1/models/m:predict HTTP/1.1\r\nHost: t\r\n"
+                                                b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n")  # fmt: skip
+        assert head.startswith("HTTP/1.1 503 ") and "\r\nretry-after: 1\r\n" in head.lower(), head
+        assert "--max_queue" in head.split("\r\n\r\n", 1)[1], head
         assert not answers  # the two are still held
     finally:
         rc = server.stop()
@@ -308,6 +335,20 @@ def test_a_full_queue_answers_503_at_once_and_sigterm_answers_what_it_holds(even
     expected = predicted(events / "model", events / "events" / "day_2.parquet", tmp_path)[:2]
     assert sorted(a[2]["predictions"][0] for a in answers) == pytest.approx(sorted(expected), abs=1e-6)
     assert "SIGTERM: not ready; answering 2 queued request(s)" in server.text()
+
+
+def headers_only_answer(port: int, request: bytes) -> str:
+    """Send ``request`` (headers, no body) and read the answer: its head and body, as text."""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(request)
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < int(
+                re.search(rb"(?i)content-length: *(\d+)", data).group(1)):  # fmt: skip
+            chunk = s.recv(65536)  # a server waiting for the body never answers: socket.timeout
+            if not chunk:
+                break
+            data += chunk
+    return data.decode()
 
 
 def test_a_request_not_scored_in_time_is_answered_504_and_leaves_the_queue(events, tmp_path):
@@ -322,6 +363,62 @@ def test_a_request_not_scored_in_time_is_answered_504_and_leaves_the_queue(event
         assert server.metric("torchrec_serve_queue_depth") == 0
     finally:
         assert server.stop() == 0, server.text()[-3000:]
+
+
+def criteo_rows(path: Path, n: int) -> list[dict]:
+    """The first ``n`` rows of a Criteo TSV as v1 rows (null where a field is empty)."""
+    rows = []
+    for line in path.read_text().splitlines()[:n]:
+        fields = line.split("\t")
+        row = {f"int_{i}": int(v) if v else None for i, v in enumerate(fields[1:14])}
+        row.update({f"cat_{i}": v or None for i, v in enumerate(fields[14:])})
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("which", ["events", "criteo"])
+def test_requests_scored_in_one_batch_each_get_their_own_answer(which, events, criteo, tmp_path):
+    """Four one-row requests held until the batch of four is full, so that they are converted
+    and scored together: each good one scores as `predict` scores its row alone (for Criteo,
+    a file of that row: the dense transform's minimum is the request's), and the one with a
+    value that does not convert is answered 400 naming its column, alone."""
+    if which == "events":
+        model, table = events / "model", pq.read_table(events / "events" / "day_2.parquet").slice(0, 3)
+        good = v1_rows(table)
+        bad, column = dict(good[0], item="not-an-id"), "item"
+        files = []
+        for i in range(3):
+            pq.write_table(table.slice(i, 1), tmp_path / f"row{i}.parquet")
+            files.append(tmp_path / f"row{i}.parquet")
+    else:
+        model, good = criteo / "model", criteo_rows(criteo / "train.txt", 3)
+        bad, column = dict(good[0], cat_3="xyz"), "cat_3"
+        lines = (criteo / "train.txt").read_text().splitlines()
+        files = []
+        for i in range(3):
+            (tmp_path / f"row{i}.txt").write_text(lines[i] + "\n")
+            files.append(tmp_path / f"row{i}.txt")
+    expected = [predicted(model, f, tmp_path)[0] for f in files]
+    server = Server(model, tmp_path, "--max_batch_size", "4", "--max_delay_ms", "3600000", "--timeout_s", "3600")
+    answers: dict = {}
+    clients = [threading.Thread(target=lambda k=k, r=r: answers.__setitem__(k, request(server.url + "/v1/models/m:predict",
+                                                                                      {"instances": [r]})))
+               for k, r in enumerate([*good, bad])]  # fmt: skip
+    try:
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join(timeout=300)
+        assert server.metric("torchrec_serve_batch_rows_count") == 1  # one batch of the four
+        assert server.metric("torchrec_serve_batch_rows_sum") == 4
+    finally:
+        assert server.stop() == 0, server.text()[-3000:]
+    for k in range(3):
+        status, _, body = answers[k]
+        assert status == 200, body
+        assert body["predictions"] == pytest.approx([expected[k]], abs=1e-6)
+    status, _, body = answers[3]
+    assert status == 400 and column in body["error"] and "row 0" in body["error"], body
 
 
 def test_sigterm_under_load_answers_every_accepted_request_and_exits_0(events, tmp_path):

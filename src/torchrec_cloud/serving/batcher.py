@@ -2,7 +2,8 @@
 
     batcher = Batcher(lambda: model, max_batch_size=256, max_delay_s=0.002, max_queue=64)
     threading.Thread(target=batcher.run).start()
-    if not batcher.submit(table, done):          # False: the queue is full, answer 503 now
+    if batcher.full(): ...                       # answer 503 now, before reading the request
+    if batcher.submit(rows, n, done) is None:    # None: the queue is full, answer 503 now
         ...
     batcher.close()                              # score what is queued at once, then stop
 
@@ -25,6 +26,7 @@ from typing import Any, Callable, Optional
 @dataclass
 class Item:
     table: Any
+    """What ``model().predict`` takes: a table, or the request's values (serving.model.ValueRows)."""
     rows: int
     done: Callable[[Any, Any], None]
     """Called from the batcher's thread with (result, model): the probabilities or the error."""
@@ -65,6 +67,11 @@ class Batcher:
             except ValueError:  # taken into a batch already: scored, its answer dropped
                 return
             self.on_depth(len(self._queue))
+
+    def full(self) -> bool:
+        """Whether a request submitted now would be refused (read without the lock: a request
+        that passes here can still find the queue full at :meth:`submit`)."""
+        return len(self._queue) >= self.max_queue
 
     def depth(self) -> int:
         with self._cv:

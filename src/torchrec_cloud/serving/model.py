@@ -5,6 +5,7 @@ and nothing of HTTP (``server.py`` owns the protocols)::
     model.load()                                  # scorer, transforms; scores the canary rows
     model.columns                                 # what a request must carry: name and kind
     [p] = model.predict([table])                  # pyarrow rows of those columns -> float64 [N]
+    p, q = model.predict([ValueRows(...), ValueRows(...)])  # requests' decoded values, converted together
 
 It has the shape of KServe's Python model (``load()``, ``ready``, ``predict``). Rows are
 converted by the code ``predict --input`` runs on a file: for a model of a schema's dataset,
@@ -14,6 +15,11 @@ statistics ``export`` put in the folder, then the batches training read
 parser (``criteo_parse.parse_block``) on the request's fields and the shards' own record-to-batch
 code. So a row scores here as it does in ``predict --input`` (tests/test_serve.py checks both).
 
+A batch's requests are converted together, in one call of that code, when their values take
+the same arrow types (:class:`ValueRows`): the conversion's cost is mostly per call, not per
+row, so a one-row request would otherwise pay for a whole batch. A request whose rows do not
+convert is converted again alone, to answer it (and only it) with its error.
+
 Criteo's ``torchrec`` dense transform is ``log(x - (m - 2))`` with ``m`` the smallest value of
 the file scored; here the file is the request, so ``m`` is the request's smallest dense value
 (a model trained with ``--dense_transform log1p`` scores each row on its own).
@@ -21,6 +27,7 @@ the file scored; here the file is the request, so ``m`` is the request's smalles
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
@@ -48,6 +55,68 @@ class Column:
 
 class RequestError(ValueError):
     """Rows the model cannot score (a value that does not convert): the request's fault, one line."""
+
+
+# How a request column's decoded values become one arrow array (what ``arrow_column`` builds):
+# as CSV-cell text; numbers as float64; integer ids as int64; ids with a float among them as
+# arrow infers them (float64); a column of nulls only as text; a list column's JSON lists of
+# integer ids, or of text ids. Stacking requests of one form gives each row the type it has alone.
+TEXT, FLOATS, INTS, VALUES, NULLS = "text", "floats", "ints", "values", "nulls"
+INT_LISTS, TEXT_LISTS = "int_lists", "text_lists"
+
+
+def arrow_column(c: Column, form: str, values: list, where: str = "column") -> pa.Array:
+    """A column's values (JSON-decoded, checked by the protocol, ``""`` already None) as the
+    arrow array ``predict --input`` would read from a file. A value arrow cannot hold (a number
+    beyond float64's exact integers, an id beyond 64 bits) is a RequestError naming the column."""
+    try:
+        if form == TEXT:
+            if c.kind == IDS:
+                return pa.array([v if not isinstance(v, list) else c.separator.join(map(str, v)) for v in values],
+                                pa.string())  # fmt: skip
+            return pa.array([v if v is None or isinstance(v, str) else repr(v) for v in values], pa.string())
+        if form == FLOATS:
+            return pa.array(values, pa.float64())
+        if form == NULLS:
+            return pa.array(values, pa.string())
+        if form == INTS:
+            return pa.array(values, pa.int64())
+        if form == INT_LISTS:
+            return pa.array(values, pa.list_(pa.int64()))
+        if form == TEXT_LISTS:
+            return pa.array([None if v is None else [str(x) for x in v] for v in values], pa.list_(pa.string()))
+        return pa.array(values)
+    except (pa.ArrowException, OverflowError):
+        what = "a number out of range" if c.kind == NUMBER else "ids must fit in 64 bits"
+        raise RequestError(f"{where} {c.name}: {what}") from None
+
+
+class ValueRows:
+    """One request's rows as the protocol decoded and checked them: each column's values and
+    the form (``TEXT``, ``FLOATS``, ...) its arrow array takes. Requests whose columns all take
+    the same forms are converted together, as one table (their values concatenated), which is
+    the table each would have been alone, stacked."""
+
+    def __init__(self, columns: Sequence[Column], values: dict[str, list], forms: dict[str, str], num_rows: int,
+                 where: str = "column") -> None:  # fmt: skip
+        self.columns, self.values, self.num_rows, self.where = columns, values, num_rows, where
+        self.forms = tuple(forms[c.name] for c in columns)
+
+    def table(self) -> pa.Table:
+        return ValueRows.stacked([self])
+
+    @staticmethod
+    def stacked(requests: Sequence["ValueRows"]) -> pa.Table:
+        """The rows of requests of the same forms as one table (a RequestError: one does not fit)."""
+        first = requests[0]
+        arrays = {}
+        for c, form in zip(first.columns, first.forms):
+            if len(requests) == 1:
+                values = first.values[c.name]
+            else:
+                values = [v for r in requests for v in r.values[c.name]]
+            arrays[c.name] = arrow_column(c, form, values, first.where)
+        return pa.table(arrays)
 
 
 class ServedModel:
@@ -96,35 +165,48 @@ class ServedModel:
         if out.shape != (4,) or not np.all(np.isfinite(out)) or not np.all((out >= 0) & (out <= 1)):
             raise ServingError(f"{self.model_dir}: the canary rows score {out.tolist()}, not 4 probabilities")
 
-    def predict(self, tables: Sequence[pa.Table]) -> list[Union[np.ndarray, RequestError]]:
-        """Click probabilities (float64) of each table's rows, scored together as one batch:
-        for each table its probabilities, or the RequestError that its rows raised (the other
-        tables are scored all the same)."""
+    def predict(self, requests: Sequence[Union[pa.Table, ValueRows]]) -> list[Union[np.ndarray, RequestError]]:
+        """Click probabilities (float64) of each request's rows (a table, or the values a
+        protocol decoded), scored together as one batch: for each request its probabilities,
+        or the RequestError that its rows raised (the other requests are scored all the same)."""
         import torch
 
-        results: list[Union[np.ndarray, RequestError]] = []
-        parts, sizes = [], []
-        for table in tables:
+        results: list[Union[np.ndarray, RequestError]] = [np.empty(0)] * len(requests)
+        groups: dict[Any, list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(r.forms if isinstance(r, ValueRows) else i, []).append(i)  # a table alone
+        parts, owners = [], []  # converted parts, in batch order; (request, rows) in the same order
+        for members in groups.values():
+            group = [requests[i] for i in members]
+            sizes = [r.num_rows for r in group]
             try:
-                part = self.converter.convert(table)
-            except RequestError as e:
-                results.append(e)
+                if isinstance(group[0], ValueRows):
+                    parts.append(self.converter.convert_values(group, sizes))
+                else:
+                    parts.append(self.converter.convert(group[0], sizes))
+                owners += zip(members, sizes)
                 continue
-            results.append(np.empty(0))
-            parts.append(part)
-            sizes.append(table.num_rows)
+            except RequestError as e:
+                if not isinstance(group[0], ValueRows):
+                    results[members[0]] = e
+                    continue
+            for i, r in zip(members, group):  # a bad one among them: each alone, its error naming the column
+                try:
+                    parts.append(self.converter.convert(r.table(), [r.num_rows]))
+                except RequestError as e:
+                    results[i] = e
+                    continue
+                owners.append((i, r.num_rows))
         if parts:
             batch = self.converter.batch(parts)
             kjt = batch.sparse_features
             with torch.no_grad():
                 logits = self.scorer.logits_of_bags(batch.dense_features, kjt.values(), kjt.lengths())
             probabilities = torch.sigmoid(logits.double()).numpy()
-            offsets = np.cumsum([0, *sizes])
-            k = 0
-            for i, r in enumerate(results):
-                if not isinstance(r, RequestError):
-                    results[i] = probabilities[offsets[k] : offsets[k + 1]]
-                    k += 1
+            start = 0
+            for i, n in owners:
+                results[i] = probabilities[start : start + n]
+                start += n
         return results
 
 
@@ -157,7 +239,8 @@ class _SchemaRows:
             cols.setdefault(f.column, Column(f.column, IDS if f.list else ID, f.separator))
         self.columns = list(cols.values())
 
-    def convert(self, table: pa.Table) -> Any:
+    def convert(self, table: pa.Table, sizes: Sequence[int]) -> Any:
+        """``table``: the rows of requests of ``sizes`` rows each, stacked (each row converts alone)."""
         from torchrec_cloud.data.dataset import Rows
 
         try:
@@ -169,6 +252,9 @@ class _SchemaRows:
             raise RequestError(f"row {row}: {reason}")
         return Rows(enc.records, enc.lists)
 
+    def convert_values(self, requests: Sequence[ValueRows], sizes: Sequence[int]) -> Any:
+        return self.convert(ValueRows.stacked(requests), sizes)
+
     def batch(self, parts: Sequence[Any]) -> Any:
         from torchrec_cloud.data.dataset import Rows
         from torchrec_cloud.data.reader import batch_of
@@ -179,6 +265,9 @@ class _SchemaRows:
 
 _DECIMAL = r"^-?[0-9]{1,10}$"
 _HEX = r"^[0-9a-fA-F]{1,15}$"
+# A Criteo row's fields (its label left out) as one TSV line, when each field passes its
+# column's check above (or is empty): 13 integers, then 26 hexadecimal ids.
+_LINE = re.compile(r"(?:-?[0-9]{1,10})?(?:\t(?:-?[0-9]{1,10})?){12}(?:\t[0-9a-fA-F]{0,15}){26}")
 
 
 class _CriteoRows:
@@ -195,7 +284,9 @@ class _CriteoRows:
                              multi_hot_pooling=cfg.data.multi_hot_pooling, seed=cfg.data.seed)  # fmt: skip
         self.columns = [Column(n, CRITEO_INT) for n in DENSE_NAMES] + [Column(n, CRITEO_HEX) for n in SPARSE_NAMES]
 
-    def convert(self, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    def convert(self, table: pa.Table, sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """``table``: the rows of requests of ``sizes`` rows each, stacked; each request is a file
+        to the ``torchrec`` dense transform (its own smallest value)."""
         from torchrec_cloud.data.criteo_parse import parse_block
 
         n = table.num_rows
@@ -209,16 +300,34 @@ class _CriteoRows:
                 what = "an integer" if c.kind == CRITEO_INT else "a hexadecimal id of at most 15 digits"
                 raise RequestError(f"row {int(bad[0])}: column {c.name}: not {what}: {text[int(bad[0])].as_py()[:40]!r}")
             fields.append(text.to_numpy(zero_copy_only=False))
-        lines = "".join("\t".join(row) + "\n" for row in zip(*fields)).encode()
+        return self._records("".join("\t".join(row) + "\n" for row in zip(*fields)).encode(), sizes)
+
+    def _records(self, lines: bytes, sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        from torchrec_cloud.data.criteo_parse import parse_block
+
         parsed = parse_block(lines, self.tsv.table_sizes, self.tsv.dtype)
         if len(parsed.bad_lines):
             first = int(parsed.bad_lines[0])
             raise RequestError(f"row {first}: {parsed.reasons.get(first, 'malformed row')}")
         records = parsed.records
-        shift = 0
-        if self.tsv.dense_transform != "log1p" and len(records):
-            shift = int(records["dense"].min()) - 2
-        return records, np.full(len(records), shift, np.int64)
+        if self.tsv.dense_transform == "log1p" or not len(records):
+            return records, np.zeros(len(records), np.int64)
+        starts = np.cumsum([0, *sizes[:-1]])
+        smallest = np.minimum.reduceat(records["dense"].min(axis=1), starts).astype(np.int64)
+        return records, np.repeat(smallest - 2, sizes)
+
+    def convert_values(self, requests: Sequence[ValueRows], sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """As :meth:`convert`, from the requests' values: the same TSV lines, written without
+        arrow (a row per line, fields as text); a field that fails its check is a
+        RequestError that does not say which (the caller converts each request alone for that)."""
+        names = [c.name for c in self.columns]
+        lines = []
+        for r in requests:  # most hold one row: row by row, not column by column
+            for fields in zip(*[r.values[name] for name in names]):
+                lines.append("\t".join(["" if v is None else v if v.__class__ is str else repr(v) for v in fields]))
+        if not all(_LINE.fullmatch(line) for line in lines):
+            raise RequestError("a field is not its column's integer or hexadecimal id")
+        return self._records("".join("0\t" + line + "\n" for line in lines).encode(), sizes)
 
     def batch(self, parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> Any:
         records = np.concatenate([p[0] for p in parts])

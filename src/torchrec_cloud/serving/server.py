@@ -17,6 +17,9 @@ answers it and exits 0 (within ``--grace_s``). Metrics at ``/metrics`` (Promethe
 access-log line per request on stderr. This module is the protocol; the model knows no HTTP.
 
 Starlette on uvicorn (h11, pure Python): docs/serving.md says why not KServe's own server.
+The inference endpoints are answered by :class:`Inference` on raw ASGI messages (a request
+costs its JSON and a type check of its values; the model converts a batch's requests
+together), the rest of the API by Starlette.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import argparse
 import asyncio
 import json
 import math
+import re
 import signal
 import sys
 import threading
@@ -33,7 +37,8 @@ from typing import Any, Optional
 
 from torchrec_cloud.config import ConfigError
 from torchrec_cloud.serving import ServingError, add_command
-from torchrec_cloud.serving.model import CRITEO_HEX, CRITEO_INT, IDS, NUMBER, Column, RequestError
+from torchrec_cloud.serving.model import (CRITEO_HEX, CRITEO_INT, FLOATS, ID, IDS, INT_LISTS, INTS, NULLS, NUMBER,
+                                          TEXT, TEXT_LISTS, VALUES, Column, RequestError, ValueRows)  # fmt: skip
 
 V2_TYPES = {"INT32": "int", "INT64": "int", "FP32": "float", "FP64": "float", "BYTES": "text"}
 
@@ -54,54 +59,66 @@ def _type(v: Any) -> str:
                                      list: "a list", dict: "an object"}.get(type(v), type(v).__name__)  # fmt: skip
 
 
-def column_array(c: Column, values: list, where: str) -> Any:
-    """A request column's values (decoded JSON) as a pyarrow array the model converts: numbers,
-    ids or lists as they are, or, when any value is text, the column as CSV-cell text (an empty
-    string is missing). A value of the wrong type is a Refused(400) naming the column and row."""
-    import pyarrow as pa
+def column_form(c: Column, values: list, where: str) -> str:
+    """Check a request column's values (decoded JSON; ``""`` made None in place) and say the
+    form of the arrow array the model converts (:func:`~torchrec_cloud.serving.model.arrow_column`):
+    numbers, ids or lists as they are, or, when any value is text, the column as CSV-cell text
+    (an empty string is missing). A value of the wrong type is a Refused(400) naming the column
+    and row."""
 
     def wrong(i: int, expected: str) -> Refused:
         return Refused(400, f"{where} {c.name}: row {i}: expected {expected}, got {_type(values[i])}")
 
-    values = [None if v == "" else v for v in values]
     if c.kind == IDS:
-        texts = any(isinstance(v, str) for v in values)
+        texts = inner_text = False
         for i, v in enumerate(values):
-            if v is None or isinstance(v, str):
+            if v is None:
                 continue
-            if not isinstance(v, list) or any(isinstance(x, bool) or not isinstance(x, (int, str)) for x in v):
+            if v.__class__ is str:
+                if v == "":
+                    values[i] = None
+                else:
+                    texts = True
+            elif not isinstance(v, list) or any(isinstance(x, bool) or not isinstance(x, (int, str)) for x in v):
                 raise wrong(i, f"a list of ids, or text with ids joined by {c.separator!r}")
-        if texts:
-            return pa.array([v if not isinstance(v, list) else c.separator.join(map(str, v)) for v in values], pa.string())
-        inner_text = any(isinstance(x, str) for v in values if v for x in v)
-        inner = pa.string() if inner_text else pa.int64()
-        return pa.array([None if v is None else [str(x) for x in v] if inner_text else v for v in values], pa.list_(inner))
-    allowed = {NUMBER: (int, float, str), CRITEO_INT: (int, str), CRITEO_HEX: (str,)}.get(c.kind, (int, float, str))
-    expected = {NUMBER: "a number", CRITEO_INT: "an integer", CRITEO_HEX: "a hexadecimal id as text"}.get(c.kind, "an id")
-    for i, v in enumerate(values):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, allowed)):
+            else:
+                inner_text = inner_text or any(isinstance(x, str) for x in v)
+        return TEXT if texts else TEXT_LISTS if inner_text else INT_LISTS
+    allowed, expected = _ALLOWED.get(c.kind, _ALLOWED[ID])
+    texts = floats = False
+    values_ = 0  # values that are not missing
+    for i, v in enumerate(values):  # one pass: it runs for every column of every request
+        if v is None:
+            continue
+        cls = v.__class__
+        if cls is str:
+            if v == "":
+                values[i] = None
+                continue
+            texts = True
+        elif cls not in allowed:
             raise wrong(i, expected)
-        if isinstance(v, float) and not math.isfinite(v):
-            raise Refused(400, f"{where} {c.name}: row {i}: {v!r} is not a finite number")
-    if c.kind in (CRITEO_INT, CRITEO_HEX) or any(isinstance(v, str) for v in values):
-        return pa.array([v if v is None or isinstance(v, str) else repr(v) for v in values], pa.string())
+        elif cls is float:
+            if not math.isfinite(v):
+                raise Refused(400, f"{where} {c.name}: row {i}: {v!r} is not a finite number")
+            floats = True
+        values_ += 1
+    if texts or c.kind in (CRITEO_INT, CRITEO_HEX):
+        return TEXT
     if c.kind == NUMBER:
-        try:
-            return pa.array(values, pa.float64())
-        except (pa.ArrowException, OverflowError):
-            raise Refused(400, f"{where} {c.name}: a number out of range") from None
-    if all(v is None for v in values):  # typed, so that an integer id column of nulls converts
-        return pa.array(values, pa.string())
-    try:
-        return pa.array(values)
-    except (pa.ArrowException, OverflowError):
-        raise Refused(400, f"{where} {c.name}: ids must fit in 64 bits") from None
+        return FLOATS
+    if not values_:  # typed, so that an integer id column of nulls converts
+        return NULLS
+    return VALUES if floats else INTS
 
 
-def rows_v1(payload: Any, columns: list[Column], max_rows: int) -> Any:
-    """``{"instances": [{column: value, ...}, ...]}`` as a pyarrow table of the model's columns."""
-    import pyarrow as pa
+# A column kind's JSON types (exact: a boolean is no number) and what the error expects.
+_ALLOWED = {NUMBER: ((int, float, str), "a number"), ID: ((int, float, str), "an id"),
+            CRITEO_INT: ((int, str), "an integer"), CRITEO_HEX: ((str,), "a hexadecimal id as text")}  # fmt: skip
 
+
+def rows_v1(payload: Any, columns: list[Column], max_rows: int) -> ValueRows:
+    """``{"instances": [{column: value, ...}, ...]}`` as the model's columns' values."""
     if not isinstance(payload, dict) or not isinstance(payload.get("instances"), list):
         raise Refused(400, 'expected {"instances": [row, ...]} with one JSON object per row')
     rows = payload["instances"]
@@ -109,16 +126,31 @@ def rows_v1(payload: Any, columns: list[Column], max_rows: int) -> Any:
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise Refused(400, f"instances[{i}] is {_type(row)}, not an object of the schema's columns")
-        for c in columns:
-            if c.name not in row:
-                raise Refused(400, f"instances[{i}] has no column {c.name} (null for a missing value)")
-    return pa.table({c.name: column_array(c, [r[c.name] for r in rows], "column") for c in columns})
+    values, forms = {}, {}
+    one = rows[0] if len(rows) == 1 else None
+    for c in columns:
+        try:
+            values[c.name] = column = [one[c.name]] if one is not None else [r[c.name] for r in rows]
+        except KeyError:
+            i = next(i for i, r in enumerate(rows) if c.name not in r)
+            raise Refused(400, f"instances[{i}] has no column {c.name} (null for a missing value)") from None
+        form = None
+        if one is not None:  # a one-row request's usual values decide their form at a glance
+            v = column[0]
+            form = (TEXT if v else None) if v.__class__ is str else _ONE_VALUE.get((c.kind, v.__class__))
+        forms[c.name] = form or column_form(c, column, "column")
+    return ValueRows(columns, values, forms, len(rows), "column")
 
 
-def rows_v2(payload: Any, columns: list[Column], max_rows: int) -> Any:
+# The form column_form gives a column of one value of a kind and a class (a text value that is
+# not empty is TEXT in every kind; floats, lists and empty text go through column_form).
+_ONE_VALUE = {(CRITEO_INT, int): TEXT, (CRITEO_INT, type(None)): TEXT, (CRITEO_HEX, type(None)): TEXT,
+              (NUMBER, int): FLOATS, (NUMBER, type(None)): FLOATS, (ID, int): INTS, (ID, type(None)): NULLS,
+              (IDS, type(None)): INT_LISTS}  # fmt: skip
+
+
+def rows_v2(payload: Any, columns: list[Column], max_rows: int) -> ValueRows:
     """Open Inference Protocol v2 ``inputs``: one tensor per column, shape ``[N]``."""
-    import pyarrow as pa
-
     if not isinstance(payload, dict) or not isinstance(payload.get("inputs"), list):
         raise Refused(400, 'expected {"inputs": [{"name", "shape", "datatype", "data"}, ...]}')
     given: dict[str, Any] = {}
@@ -127,7 +159,7 @@ def rows_v2(payload: Any, columns: list[Column], max_rows: int) -> Any:
             raise Refused(400, f"inputs[{k}] is not a tensor with a name")
         given[t["name"]] = t
     n: Optional[int] = None
-    arrays = {}
+    values, forms = {}, {}
     for c in columns:
         t = given.get(c.name)
         if t is None:
@@ -152,8 +184,10 @@ def rows_v2(payload: Any, columns: list[Column], max_rows: int) -> Any:
                 raise Refused(400, f"input {c.name}: row {i}: {_type(v)} in a {dtype} tensor")
         if c.kind == IDS and kind != "text":
             raise Refused(400, f"input {c.name}: a list column is sent as BYTES, its ids joined by {c.separator!r}")
-        arrays[c.name] = column_array(c, data, "input")
-    return pa.table(arrays)
+        values[c.name] = data = list(data)
+        forms[c.name] = column_form(c, data, "input")
+    assert n is not None  # columns is never empty
+    return ValueRows(columns, values, forms, n, "input")
 
 
 def _check_count(n: int, max_rows: int) -> None:
@@ -277,69 +311,6 @@ def build_app(state: State) -> Any:
         known(request)
         return JSONResponse({"name": state.name, "ready": state.ready}, status_code=200 if state.ready else 503)
 
-    async def read_body(request: Any) -> bytes:
-        cap = ns.max_body_bytes
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > cap:
-            raise Refused(413, f"the body has {declared} bytes: over the limit of {cap} (--max_body_bytes)")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > cap:
-                raise Refused(413, f"the body is over the limit of {cap} bytes (--max_body_bytes)")
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    async def infer(request: Any, protocol: str) -> Any:
-        known(request)
-        if not state.loaded:
-            raise Refused(503, f"model {state.name} is not loaded yet", retry_after=True)
-        body = await read_body(request)
-        try:
-            payload = json.loads(body)
-        except (ValueError, RecursionError) as e:
-            raise Refused(400, f"the body is not JSON ({str(e)[:120]})") from None
-        columns = state.model.columns  # the same for every version (a swap checks it)
-        parse = rows_v1 if protocol == "v1" else rows_v2
-        table = parse(payload, columns, ns.max_request_rows)
-        request.scope["torchrec_serve"]["rows"] = table.num_rows
-        loop = asyncio.get_running_loop()
-        answer = loop.create_future()
-
-        def settle(result: Any, model: Any) -> None:
-            if not answer.done():
-                answer.set_result((result, model))
-
-        item = state.batcher.submit(table, table.num_rows, lambda r, m: loop.call_soon_threadsafe(settle, r, m))
-        if item is None:
-            raise Refused(503, f"the queue is full ({ns.max_queue} requests, --max_queue): retry", retry_after=True)
-        try:
-            result, model = await asyncio.wait_for(asyncio.shield(answer), ns.timeout_s)
-        except asyncio.TimeoutError:
-            state.batcher.cancel(item)
-            raise Refused(504, f"not scored within {ns.timeout_s:g}s (--timeout_s)") from None
-        request.scope["torchrec_serve"]["version"] = model.version
-        if isinstance(result, RequestError):
-            raise Refused(400, str(result))
-        if isinstance(result, Exception):
-            log(f"scoring failed: {type(result).__name__}: {' '.join(str(result).split())[:300]}")
-            raise Refused(500, f"scoring failed ({type(result).__name__}); the server log says more")
-        probabilities = [float(p) for p in result]
-        headers = {"X-Model-Version": model.version}
-        if protocol == "v1":
-            return JSONResponse({"predictions": probabilities}, headers=headers)
-        out = {"model_name": state.name, "model_version": model.version,
-               "outputs": [{"name": "probability", "shape": [len(probabilities)], "datatype": "FP64", "data": probabilities}]}  # fmt: skip
-        if isinstance(payload.get("id"), str):
-            out["id"] = payload["id"][:256]
-        return JSONResponse(out, headers=headers)
-
-    async def v1_predict(request: Any) -> Any:
-        return await infer(request, "v1")
-
-    async def v2_infer(request: Any) -> Any:
-        return await infer(request, "v2")
-
     async def v1_model(request: Any) -> Any:
         known(request)
         return JSONResponse({"name": state.name, "ready": state.ready})
@@ -373,12 +344,154 @@ def build_app(state: State) -> Any:
         Route("/v2", guarded(server_metadata, "metadata"), methods=["GET"]),
         Route("/v2/models/{name}", guarded(model_metadata, "metadata"), methods=["GET"]),
         Route("/v2/models/{name}/ready", guarded(model_ready, "ready"), methods=["GET"]),
-        Route("/v2/models/{name}/infer", guarded(v2_infer, "v2"), methods=["POST"]),
-        Route("/v1/models/{name}:predict", guarded(v1_predict, "v1"), methods=["POST"]),
         Route("/v1/models/{name}", guarded(v1_model, "metadata"), methods=["GET"]),
         Route("/metrics", guarded(prometheus, "metrics"), methods=["GET"]),
     ]
-    return AccessLog(Starlette(routes=routes), metrics)
+    return AccessLog(Inference(state, Starlette(routes=routes)), metrics)
+
+
+class Inference:
+    """ASGI: ``POST /v1/models/NAME:predict`` and ``POST /v2/models/NAME/infer``, answered here
+    on raw ASGI messages, everything else passed to ``app`` (Starlette). A one-row request
+    costs little more than its JSON: no framework objects, one ``json.loads``, the values
+    checked in Python and handed to the batcher as they are (the model converts a batch's
+    requests together). A request that cannot be queued (a full queue, an oversized body, a
+    model not loaded) is answered before its body is read, with a body encoded once."""
+
+    PATHS = re.compile(r"/v1/models/([^/]+):predict|/v2/models/([^/]+)/infer")
+
+    def __init__(self, state: State, app: Any) -> None:
+        self.state, self.app = state, app
+        ns = state.ns
+        self.queue_full = _error_body(f"the queue is full ({ns.max_queue} requests, --max_queue): retry")
+        self.not_loaded = _error_body(f"model {state.name} is not loaded yet")
+        self.metrics = state.metrics
+        self.answers = Answers()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        match = self.PATHS.fullmatch(scope["path"]) if scope["type"] == "http" else None
+        if match is None:
+            return await self.app(scope, receive, send)
+        protocol, name = ("v1", match.group(1)) if match.group(1) is not None else ("v2", match.group(2))
+        info = scope.setdefault("torchrec_serve", {})
+        info["endpoint"] = protocol
+        self.metrics.in_flight.inc()
+        try:
+            if scope["method"] != "POST":
+                raise Refused(405, f"{scope['method'][:10]} is not allowed here: POST a request")
+            status, body, headers = await self.answer(scope, receive, info, protocol, name)
+        except Refused as e:
+            status, body = e.status, _error_body(str(e))
+            headers = [(b"retry-after", b"1")] if e.retry_after else []
+        except Exception as e:  # noqa: BLE001 - a fault of ours: one line, never a traceback to the client
+            log(f"POST {scope['path'][:200]}: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
+            status, body, headers = 500, _error_body(f"internal error ({type(e).__name__})"), []
+        finally:
+            self.metrics.in_flight.dec()
+        if status == 405:
+            headers.append((b"allow", b"POST"))
+        headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def answer(self, scope: Any, receive: Any, info: dict, protocol: str, name: str) -> tuple[int, bytes, list]:
+        state, ns = self.state, self.state.ns
+        if name != state.name:
+            raise Refused(404, f"no model named {name[:64]!r}; this server has {state.name!r}")
+        if not state.loaded:
+            return 503, self.not_loaded, [(b"retry-after", b"1")]
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), b"")
+        if declared.isdigit() and int(declared) > ns.max_body_bytes:
+            raise Refused(413, f"the body has {declared.decode()} bytes: over the limit of {ns.max_body_bytes} "
+                               "(--max_body_bytes)")  # fmt: skip
+        if state.batcher.full():  # shed before reading the body: the cheapest answer there is
+            return 503, self.queue_full, [(b"retry-after", b"1")]
+        body = await read_body(receive, ns.max_body_bytes)
+        try:
+            payload = json.loads(body)
+        except (ValueError, RecursionError) as e:
+            raise Refused(400, f"the body is not JSON ({str(e)[:120]})") from None
+        columns = state.model.columns  # the same for every version (a swap checks it)
+        rows = (rows_v1 if protocol == "v1" else rows_v2)(payload, columns, ns.max_request_rows)
+        info["rows"] = rows.num_rows
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        item = state.batcher.submit(rows, rows.num_rows, lambda r, m: self.answers.put(loop, answer, (r, m)))
+        if item is None:
+            return 503, self.queue_full, [(b"retry-after", b"1")]
+        timer = loop.call_later(ns.timeout_s, lambda: answer.done() or answer.set_exception(asyncio.TimeoutError()))
+        try:
+            result, model = await answer
+        except asyncio.TimeoutError:
+            state.batcher.cancel(item)
+            raise Refused(504, f"not scored within {ns.timeout_s:g}s (--timeout_s)") from None
+        finally:
+            timer.cancel()
+        info["version"] = model.version
+        if isinstance(result, RequestError):
+            raise Refused(400, str(result))
+        if isinstance(result, Exception):
+            log(f"scoring failed: {type(result).__name__}: {' '.join(str(result).split())[:300]}")
+            raise Refused(500, f"scoring failed ({type(result).__name__}); the server log says more")
+        probabilities = result.tolist()
+        headers = [(b"x-model-version", model.version.encode())]
+        if protocol == "v1":
+            return 200, _json({"predictions": probabilities}), headers
+        out = {"model_name": state.name, "model_version": model.version,
+               "outputs": [{"name": "probability", "shape": [len(probabilities)], "datatype": "FP64", "data": probabilities}]}  # fmt: skip
+        if isinstance(payload.get("id"), str):
+            out["id"] = payload["id"][:256]
+        return 200, _json(out), headers
+
+
+class Answers:
+    """Results from the batcher's thread to the event loop: one wake-up of the loop for a
+    batch's answers, not one per request."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: list = []
+        self._scheduled = False
+
+    def put(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any) -> None:
+        """From any thread: ``future`` gets ``value`` (unless it is done: a timeout)."""
+        with self._lock:
+            self._pending.append((future, value))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        loop.call_soon_threadsafe(self._settle)
+
+    def _settle(self) -> None:
+        with self._lock:
+            pending, self._pending, self._scheduled = self._pending, [], False
+        for future, value in pending:
+            if not future.done():
+                future.set_result(value)
+
+
+async def read_body(receive: Any, cap: int) -> bytes:
+    """The request's body, refused (413) as soon as it passes ``cap`` bytes."""
+    chunks, size, more = [], 0, True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise Refused(400, "the client closed the connection before sending its whole body")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > cap:
+            raise Refused(413, f"the body is over the limit of {cap} bytes (--max_body_bytes)")
+        chunks.append(chunk)
+        more = message.get("more_body", False)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _error_body(message: str) -> bytes:
+    return _json({"error": " ".join(message.split())})
 
 
 class AccessLog:
@@ -414,17 +527,22 @@ class AccessLog:
             extra = f" rows={info['rows']}" if "rows" in info else ""
             extra += f" version={info['version']}" if "version" in info else ""
             path = scope.get("path", "")[:200].encode("unicode_escape").decode()
-            print(f"access {client[0]}:{client[1]} {scope.get('method')} {path} {code}{extra} {seconds * 1000:.1f}ms",
+            print(f"access {client[0]}:{client[1]} {scope.get('method')} {path} {code}{extra} {seconds * 1000:.2f}ms",
                   file=sys.stderr, flush=True)  # fmt: skip
 
 
 def serve(ns: argparse.Namespace) -> int:
     """Load the model in the background, answer requests until SIGTERM, then drain and return 0."""
+    import torch
     import uvicorn
 
+    from torchrec_cloud.distributed import _cpu_count
     from torchrec_cloud.serving.versions import Follower, first_model, is_root
 
     model = first_model(ns.model, ns.runtime)  # a folder that is no model stops here, before listening
+    # The event loop parses requests while the batcher's thread scores: torch's threads
+    # spinning on every core would take the loop's core from it.
+    torch.set_num_threads(ns.num_threads or max(1, _cpu_count() - 1))
     metrics = Metrics()
     state = State(ns, model, metrics)
 
@@ -439,7 +557,8 @@ def serve(ns: argparse.Namespace) -> int:
             self.should_exit = True
 
     config = uvicorn.Config(build_app(state), host=ns.host, port=ns.port, access_log=False, log_level="warning",
-                            lifespan="off", timeout_graceful_shutdown=ns.grace_s, server_header=False)  # fmt: skip
+                            lifespan="off", timeout_graceful_shutdown=ns.grace_s, server_header=False,
+                            proxy_headers=False)  # fmt: skip
     server = Server(config)
 
     def load() -> None:
@@ -493,18 +612,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--runtime", choices=("auto", "pt2", "torchscript"), default="auto",
                         help="auto: the model folder's AOTInductor package (scorer.pt2) when this torch built it, "
                              "else its TorchScript (scorer.pt)")  # fmt: skip
+    parser.add_argument("--num_threads", type=int, default=0,
+                        help="torch threads that score a batch (0: the cores less one for the HTTP side, at least 1)")  # fmt: skip
     parser.add_argument("--grace_s", type=float, default=25.0,
                         help="on SIGTERM, how long queued and in-flight requests have to finish")  # fmt: skip
     return parser
 
 
 def _main(ns: argparse.Namespace) -> int:
-    import re
-
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", ns.name):
         raise ConfigError("name", f"must be letters, digits, '_', '.', '-' (at most 64), got {ns.name[:70]!r}")
     if not 0 <= ns.port <= 65535:
         raise ConfigError("port", f"must be 0..65535, got {ns.port}")
+    if ns.num_threads < 0:
+        raise ConfigError("num_threads", f"must be >= 0 (0: the cores less one), got {ns.num_threads}")
     for flag in ("max_batch_size", "max_queue", "max_body_bytes", "max_request_rows"):
         if getattr(ns, flag) <= 0:
             raise ConfigError(flag, f"must be > 0, got {getattr(ns, flag)}")
