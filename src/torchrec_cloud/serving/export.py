@@ -29,7 +29,10 @@ compiler). By default both, pt2 where it builds. Each is checked against TorchRe
 and the pt2 package also on a batch of one row and on empty bags.
 
 ``--publish ROOT`` writes a new version ``ROOT/VERSION/`` and then makes ``ROOT/current``
-name it (see :mod:`torchrec_cloud.serving.publish`), which ``serve ROOT`` follows.
+name it (see :mod:`torchrec_cloud.serving.publish`), which ``serve ROOT`` follows; with
+``--gate DATASET`` only if it scores DATASET's test split about as well as the current one::
+
+    torchrec-cloud export runs/day2/checkpoints --publish models/daily --gate data/day2
 """
 
 from __future__ import annotations
@@ -477,6 +480,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--publish", default=None, metavar="ROOT",
                         help="instead of --output: write a new version ROOT/VERSION/ and then point ROOT/current at it "
                              "(what `serve ROOT` follows)")  # fmt: skip
+    parser.add_argument("--gate", default=None, metavar="DATASET",
+                        help="with --publish: score DATASET's test split with the model ROOT/current names and with "
+                             "this one, and publish only if this one's AUC is not lower by more than --tolerance "
+                             "(else exit 1, current unchanged)")  # fmt: skip
+    parser.add_argument("--tolerance", type=float, default=None, metavar="T",
+                        help="with --gate: how much lower the new test AUC may be (default 0.002: about a retraining's "
+                             "run-to-run spread, so noise alone does not hold a day's model back)")  # fmt: skip
     parser.add_argument("--format", default=None, metavar="FORMATS",
                         help="scorers to write, comma-separated: torchscript (scorer.pt), pt2 (scorer.pt2, torch.export "
                              "compiled by AOTInductor) (default: both, pt2 where it builds)")  # fmt: skip
@@ -509,10 +519,19 @@ def _main(ns: argparse.Namespace) -> int:
     formats = parse_formats(ns.format)
     if (ns.output is None) == (ns.publish is None):
         raise ConfigError("output", "give --output DIR (one model folder) or --publish ROOT (a new version), one of them")
+    if ns.publish is None and (ns.gate is not None or ns.tolerance is not None):
+        raise ConfigError("gate" if ns.gate is not None else "tolerance", "checks a model before --publish ROOT makes it "
+                          "current: give --publish")  # fmt: skip
+    if ns.tolerance is not None and not (0 <= ns.tolerance < 1):
+        raise ConfigError("tolerance", f"must be an AUC difference in [0, 1), got {ns.tolerance}")
+    if ns.tolerance is not None and ns.gate is None:
+        raise ConfigError("tolerance", "applies to --gate DATASET: give it")
     if ns.publish is not None:
-        from torchrec_cloud.serving.publish import publish
+        from torchrec_cloud.serving.publish import DEFAULT_TOLERANCE, publish
 
-        config = publish(ns.checkpoint, ns.publish, ns.quantize, ns.dataset_path, ns.eval_rows, log, formats)
+        tolerance = DEFAULT_TOLERANCE if ns.tolerance is None else ns.tolerance
+        config = publish(ns.checkpoint, ns.publish, ns.quantize, ns.dataset_path, ns.eval_rows, log, formats,
+                         gate=ns.gate, tolerance=tolerance)  # fmt: skip
     else:
         config = export(ns.checkpoint, ns.output, ns.quantize, ns.dataset_path, ns.eval_rows, log, formats)
     if ns.json:

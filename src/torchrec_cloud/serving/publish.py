@@ -12,7 +12,18 @@ lays out::
 A version's name is the UTC time it was published and its checkpoint's step: names sort in
 publishing order and two publishes never share one. The version's ``model_config.json``
 records its ``lineage``: the version, its parent (the version ``current`` named before), the
-checkpoint (path and step), and the dataset (path and the digest of its manifest) when known.
+checkpoint (path and step), the dataset (path, the digest of its manifest and of its
+vocabulary) when known, and the gate it passed.
+
+``--gate DATASET`` checks the new model before it serves (the daily loop, docs/daily.md):
+DATASET's test split is scored by the model ``current`` names and by the new one, and the new
+one is published only if its AUC is not lower by more than ``--tolerance``; else a
+:class:`GateError` (exit 1) names both AUCs and ``current`` is left as it was. The gate runs
+before anything is written under ROOT. With no ``current`` yet, the first version passes.
+
+Publishing the checkpoint ``current`` already serves again does nothing (a daily job rerun
+after a lost pod publishes once); a version of it that was written but never named by
+``current`` (a pod lost between the two), with ``current`` still its parent, is named then.
 
 Nothing half-written is ever named by ``current``. On a local disk the version is exported
 into ``ROOT/.tmp-<version>`` and renamed into place, then ``current`` is replaced by a
@@ -80,7 +91,144 @@ def dataset_lineage(dataset_path: Optional[str]) -> Optional[dict[str, Any]]:
         digest = checksum.digest(read_capped(storage.join(dataset_path, MANIFEST), MAX_MANIFEST_BYTES))
     except (storage.StorageError, UntrustedInputError):
         digest = None  # a raw Criteo file, or a dataset since moved: the path still says which
-    return {"path": dataset_path, "manifest_digest": digest}
+    vocabulary = None
+    try:
+        from torchrec_cloud.data.dataset import is_schema_dataset, load_dataset, read_manifest
+        from torchrec_cloud.train import _vocabulary
+
+        manifest = read_manifest(dataset_path)
+        if is_schema_dataset(manifest):
+            section = _vocabulary(load_dataset(dataset_path, manifest, check_files=False))
+            vocabulary = None if section is None else {"version": section.get("version"), "digest": section.get("digest")}
+    except (ValueError, storage.StorageError, UntrustedInputError):
+        pass  # as for the digest: the path still says which
+    return {"path": dataset_path, "manifest_digest": digest, "vocabulary": vocabulary}
+
+
+def _lineage_of(root: str, version: str) -> Optional[dict[str, Any]]:
+    """The lineage a version's model_config.json records; None when it has none or is not a
+    complete version."""
+    from torchrec_cloud.serving import read_model_config
+
+    try:
+        lineage = read_model_config(storage.join(root, version)).get("lineage")
+    except (ServingError, storage.StorageError, UntrustedInputError):
+        return None
+    return lineage if isinstance(lineage, dict) else None
+
+
+def _same_checkpoint(lineage: Optional[dict[str, Any]], info: Any) -> bool:
+    ck = (lineage or {}).get("checkpoint") or {}
+    return ck.get("path") == info.path and ck.get("step") == info.step
+
+
+def _published_before(root: str, current: Optional[str], info: Any, log) -> Optional[dict[str, Any]]:
+    """The model config of the version of ``info`` that ``current`` names (nothing to do), or
+    of one written but not yet named, whose parent is still ``current`` (``current`` is then
+    made to name it); None: publish it."""
+    from torchrec_cloud.serving import read_model_config
+
+    if current is not None and _same_checkpoint(_lineage_of(root, current), info):
+        log(f"{storage.join(root, current)} is checkpoint {info.path} (step {info.step}) already: nothing to publish")
+        return read_model_config(storage.join(root, current))
+    try:
+        names = sorted(n.rstrip("/") for n in storage.listdir(root))
+    except storage.StorageError:
+        return None
+    for name in reversed(names):
+        if name == CURRENT_FILE or name.startswith(TEMP_PREFIX) or name == current:
+            continue
+        lineage = _lineage_of(root, name)
+        if _same_checkpoint(lineage, info) and lineage.get("parent") == current:
+            storage.write_bytes(storage.join(root, CURRENT_FILE), f"{name}\n".encode())
+            log(f"published {storage.join(root, name)} (written before, not yet named); "
+                f"{storage.join(root, CURRENT_FILE)} names it")  # fmt: skip
+            return read_model_config(storage.join(root, name))
+    return None
+
+
+def check_gate(info: Any, cfg: Any, root: str, current: Optional[str], gate: str, tolerance: float, quantize: str,
+               eval_rows: int, log) -> dict[str, Any]:  # fmt: skip
+    """Score ``gate``'s test split (``eval_rows`` at most) with the model ``current`` names and
+    with ``info``'s (as it will be published: ``quantize``); a :class:`GateError` when the new
+    AUC is lower than the current one by more than ``tolerance``; else what the lineage records.
+    Both models read the dataset's rows as they are: the daily loop's datasets keep every id's
+    row from one day to the next (docs/daily.md), so the serving model sees the ids it knows."""
+    import math
+
+    from torchrec_cloud.evaluation import binary_metrics
+    from torchrec_cloud.serving.export import scorer_module, unsharded_model
+
+    record: dict[str, Any] = {"dataset": gate, "split": "test", "tolerance": tolerance, "current": current}
+    if current is None:
+        log(f"gate: {storage.join(root, CURRENT_FILE)} names no model yet: the first version is published unchecked")
+        return record
+    current_dir = storage.join(root, current)
+    check_version(root, current)
+    new_scorer = scorer_module(unsharded_model(info, cfg), quantize)
+    aucs = {}
+    for name, (scorer, model_cfg) in {"new": (new_scorer, cfg.model), "current": _served_scorer(current_dir)}.items():
+        logits, labels, _ = _score(scorer, model_cfg, gate, eval_rows)
+        aucs[name], record["rows"] = binary_metrics(logits, labels)["auc"], int(labels.numel())
+    record.update(auc=aucs["new"], current_auc=aucs["current"])
+    if not all(math.isfinite(a) for a in aucs.values()):
+        raise GateError(f"gate: the test split of {gate} has one class only: AUC undefined, nothing to compare")
+    if aucs["new"] < aucs["current"] - tolerance:
+        raise GateError(f"gate: the new model (checkpoint {info.path}, step {info.step}) has test AUC {aucs['new']:.5f} "
+                        f"on {gate}, the current one ({current}) {aucs['current']:.5f}: lower by more than --tolerance "
+                        f"{tolerance:g}; not published, {storage.join(root, CURRENT_FILE)} still names {current}")  # fmt: skip
+    log(f"gate: test AUC on {gate}: new {aucs['new']:.5f}, current ({current}) {aucs['current']:.5f} "
+        f"(--tolerance {tolerance:g}): passed")  # fmt: skip
+    return record
+
+
+def _served_scorer(model_dir: str) -> tuple[Any, Any]:
+    """The scorer of the model folder ``current`` names and its model config."""
+    from torchrec_cloud.serving import SCORER_FILE, read_model_config, saved_job_config
+    from torchrec_cloud.serving.predict import load_scorer
+
+    config = read_model_config(model_dir)
+    cfg = saved_job_config(config, storage.join(model_dir, CONFIG_FILE))
+    if SCORER_FILE in config["files"]:
+        return load_scorer(model_dir, config["files"][SCORER_FILE]), cfg.model
+    from torchrec_cloud.serving.runtime import load_scorer as load_any
+
+    return load_any(model_dir, "pt2", config=config), cfg.model
+
+
+def _score(scorer: Any, model: Any, dataset: str, rows: int) -> tuple[Any, Any, float]:
+    """Logits and labels of ``dataset``'s test split (a schema's dataset, whose features and
+    tables must be the model's) by ``scorer``."""
+    from torchrec_cloud.data.dataset import is_schema_dataset, load_dataset, read_manifest
+    from torchrec_cloud.data.reader import SchemaSource
+    from torchrec_cloud.serving.predict import score
+
+    try:
+        manifest = read_manifest(dataset)
+        if not is_schema_dataset(manifest):
+            raise ServingError(f"--gate {dataset}: not a dataset made from a schema (data preprocess --schema)")
+        ds = load_dataset(dataset, manifest)
+    except (ValueError, UntrustedInputError) as e:
+        raise ServingError(f"--gate: {str(e).split(': ', 1)[-1]}") from None
+    if ds.table_sizes != model.table_sizes or [f.name for f in ds.schema.sparse] != model.sparse_names:
+        raise ServingError(f"--gate {dataset} does not fit the model: its features or tables differ")
+    try:
+        source = SchemaSource(ds, batch_size=4096, rank=0, world_size=1, splits=("test",))
+    except ValueError as e:
+        raise ServingError(f"--gate {dataset}: {str(e).split(': ', 1)[-1]}") from None
+    (logits,), labels, seconds = score([scorer], source.eval_batches("test"), rows, progress=False)
+    return logits, labels, seconds
+
+
+DEFAULT_TOLERANCE = 0.002
+"""How much lower the new model's test AUC may be than the serving one's: about the run-to-run
+spread of a day's retraining (seeds, data order) on the test split of a day, so that noise
+alone does not hold back every other day's model, while a model that learned less (a day of
+broken data, a short run) is refused."""
+
+
+class GateError(ServingError):
+    """The new model scored lower than the one serving, by more than the tolerance (exit 1)."""
 
 
 def publish(
@@ -91,20 +239,28 @@ def publish(
     eval_rows: int = 1_000_000,
     log=print,
     formats=None,
+    gate: Optional[str] = None,
+    tolerance: float = DEFAULT_TOLERANCE,
 ) -> dict[str, Any]:
     """Export ``checkpoint`` as a new version under ``root`` and make it ``current``;
-    returns its model_config (``lineage.version`` names the folder)."""
+    returns its model_config (``lineage.version`` names the folder). ``gate``: a dataset whose
+    test split the new model must score within ``tolerance`` of the current one's AUC."""
     from torchrec_cloud.serving.export import export, find_checkpoint, job_config
 
     info = find_checkpoint(checkpoint)  # once: a checkpoint committed meanwhile is not mixed in
     cfg = job_config(info)
-    version = version_name(info.step)
     parent = read_current(root)
+    done = _published_before(root, parent, info, log)
+    if done is not None:
+        return done
+    checked = check_gate(info, cfg, root, parent, gate, tolerance, quantize, eval_rows, log) if gate else None
+    version = version_name(info.step)
     lineage = {
         "version": version,
         "parent": parent,
         "checkpoint": {"path": info.path, "step": info.step},
         "dataset": dataset_lineage(dataset_path or cfg.data.dataset_path),
+        **({"gate": checked} if checked is not None else {}),
     }
     final = storage.join(root, version)
     local = not storage.is_url(root)

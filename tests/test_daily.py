@@ -1,0 +1,84 @@
+"""The daily loop's publishing half (issue #42): ``export --publish ROOT --gate DATASET``
+publishes a model only when it scores DATASET's test split about as well as the one serving,
+records its lineage, publishes a checkpoint once however often it is run, and ``serve ROOT``
+swaps to what it publishes; the daily CronJob's step script resumes after a lost pod.
+
+One module-scoped run: the planted events preprocessed (day 0 trains, 1 validates, 2 tests),
+trained two epochs on one process with every step's checkpoint kept: step 1 has learned
+little, the last one much more.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import PYTHON, cli, explain, one_line_error, run
+from test_serve import Server, get
+from torchrec_cloud.cli import main
+from torchrec_cloud.data.events_gen import DAY_S, SCHEMA, START, write_events
+
+MODEL = ["--embedding_dim", "8", "--dense_arch_layer_sizes", "16,8", "--over_arch_layer_sizes", "16,1",
+         "--batch_size", "100", "--no-progress", "--no-tensorboard", "--eval_every", "0"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("daily")
+    write_events(str(root / "events"), days=3, rows_per_day=600, seed=0)
+    (root / "schema.yaml").write_text(SCHEMA)
+    assert main(["data", "preprocess", "--no_progress", "--schema", str(root / "schema.yaml"), "--input",
+                 str(root / "events"), "--output", str(root / "data"), "--split_by", "ts",
+                 "--val_from", str(START + DAY_S), "--test_from", str(START + 2 * DAY_S)]) == 0  # fmt: skip
+    proc = run([PYTHON, "-m", "torchrec_cloud", "train", "--dataset_path", str(root / "data"), *MODEL, "--num_epochs",
+                "2", "--checkpoint_path", str(root / "ck"), "--checkpoint_interval", "1", "--checkpoint_keep", "0",
+                "--output_dir", str(root / "run")])  # fmt: skip
+    assert proc.returncode == 0, explain(proc)
+    return root
+
+
+def versions(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def test_the_gate_refuses_a_worse_model_and_serve_swaps_to_what_passes(trained, capsys, tmp_path):
+    root, data = tmp_path / "models", str(trained / "data")
+    early, last = trained / "ck" / "step_00000001", sorted((trained / "ck").glob("step_*"))[-1]
+    rc, out, err = cli(capsys, "export", str(early), "--publish", str(root), "--gate", data)
+    assert rc == 0 and "names no model yet" in out, err
+    (first,) = versions(root)
+    server = Server(root, tmp_path, "--poll_s", "0.1")
+    try:
+        rc, out, err = cli(capsys, "export", str(last), "--publish", str(root), "--gate", data)
+        assert rc == 0 and "passed" in out, err
+        current = (root / "current").read_text().strip()
+        assert current != first and versions(root) == sorted([first, current])
+        server.wait_for(lambda: get(server.url + "/v2/models/m")[1]["versions"] == [current], "the new version served")
+        lineage = json.loads((root / current / "model_config.json").read_text())["lineage"]
+        assert lineage["parent"] == first and lineage["checkpoint"] == {"path": str(last), "step": 12}
+        assert lineage["dataset"]["manifest_digest"] and lineage["dataset"]["vocabulary"]["version"] == 0
+        assert lineage["gate"]["auc"] > lineage["gate"]["current_auc"]
+
+        # The step-1 model again, now that a better one serves: refused, nothing written, current stays.
+        line = one_line_error(capsys, 1, "export", str(early), "--publish", str(root), "--gate", data)
+        assert "test AUC" in line and f"{lineage['gate']['current_auc']:.5f}" in line and "still names" in line
+        new, served = [float(w.rstrip(":;,")) for w in line.split() if w[:2] == "0."][:2]
+        assert new < served - 0.002
+        assert (root / "current").read_text().strip() == current and versions(root) == sorted([first, current])
+        assert get(server.url + "/v2/models/m")[1]["versions"] == [current]
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_checkpoint_already_serving_is_published_once(trained, capsys, tmp_path):
+    root, last = tmp_path / "models", str(trained / "ck")
+    assert cli(capsys, "export", last, "--publish", str(root))[0] == 0
+    rc, out, _ = cli(capsys, "export", last, "--publish", str(root), "--gate", str(trained / "data"))
+    assert rc == 0 and "nothing to publish" in out and len(versions(root)) == 1
+
+
+def test_gate_and_tolerance_need_publish(trained, capsys, tmp_path):
+    line = one_line_error(capsys, 2, "export", str(trained / "ck"), "--output", str(tmp_path / "m"), "--gate", "x")
+    assert "--gate" in line and "--publish" in line
