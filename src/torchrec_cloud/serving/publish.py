@@ -21,7 +21,7 @@ one is published only if its AUC is not lower by more than ``--tolerance``; else
 :class:`GateError` (exit 1) names both AUCs and ``current`` is left as it was. The gate runs
 before anything is written under ROOT. With no ``current`` yet, the first version passes.
 
-Publishing the checkpoint ``current`` already serves again does nothing (a daily job rerun
+A gated publish of the checkpoint ``current`` already serves does nothing (a daily job rerun
 after a lost pod publishes once); a version of it that was written but never named by
 ``current`` (a pod lost between the two), with ``current`` still its parent, is named then.
 
@@ -250,7 +250,9 @@ def publish(
     info = find_checkpoint(checkpoint)  # once: a checkpoint committed meanwhile is not mixed in
     cfg = job_config(info)
     parent = read_current(root)
-    done = _published_before(root, parent, info, log)
+    # A gated publish promotes a checkpoint: one that already serves has nothing to add (a plain
+    # publish of it writes a new version, with other --quantize or --format, say).
+    done = _published_before(root, parent, info, log) if gate else None
     if done is not None:
         return done
     checked = check_gate(info, cfg, root, parent, gate, tolerance, quantize, eval_rows, log) if gate else None
