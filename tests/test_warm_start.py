@@ -189,3 +189,12 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line(lineage, capsys, t
     line = one_line_error(capsys, 2, "train", *MODEL, "--embedding_dim", "4", "--dense_arch_layer_sizes", "16,4", "--dataset_path", str(root / "grown"),
                           "--warm_start", str(root / "parent"), "--output_dir", str(tmp_path / "run"))  # fmt: skip
     assert "--warm_start" in line and "--embedding_dim 8 (saved) vs 4 (now)" in line
+
+
+def test_a_damaged_vocabulary_section_is_refused_in_one_line(lineage, capsys, tmp_path):
+    root = lineage["root"]
+    bad = with_vocabulary(root / "data", tmp_path / "bad", {"version": 1, "digest": "f" * 64, "parent": None,
+                                                            "ancestors": [], "reset_rows": {"user": ["../../etc"]}})  # fmt: skip
+    line = one_line_error(capsys, 2, "train", *MODEL, "--dataset_path", str(bad), "--warm_start", str(root / "parent"),
+                          "--output_dir", str(tmp_path / "run"))  # fmt: skip
+    assert "manifest.json: vocabulary" in line and "damaged or altered" in line

@@ -211,9 +211,22 @@ def _vocabulary(dataset: Any) -> Optional[dict[str, Any]]:
     if not any(f.mapping == "vocab" for f in dataset.schema.sparse):
         return None
     section = dataset.manifest.get("vocabulary")
-    if isinstance(section, dict) and isinstance(section.get("digest"), str):
-        return section
-    return {"version": 0, "digest": dataset.digest, "parent": None, "ancestors": [], "reset_rows": {}}
+    if section is None:
+        return {"version": 0, "digest": dataset.digest, "parent": None, "ancestors": [], "reset_rows": {}}
+    # The manifest is read as untrusted input: a section that is not as the contract writes it
+    # stops the run in one line before a row is reset.
+    where = f"{dataset.manifest_url}: vocabulary"
+    rows = section.get("reset_rows") if isinstance(section, dict) else None
+    ok = (isinstance(section, dict) and isinstance(section.get("digest"), str)
+          and isinstance(section.get("version"), int) and not isinstance(section.get("version"), bool)
+          and isinstance(section.get("ancestors", []), list) and all(isinstance(a, str) for a in section.get("ancestors", []))
+          and isinstance(rows if rows is not None else {}, dict)
+          and all(isinstance(k, str) and isinstance(v, list) and all(isinstance(r, int) and not isinstance(r, bool) for r in v)
+                  for k, v in (rows or {}).items()))  # fmt: skip
+    if not ok:
+        raise ConfigError("dataset_path", f"{where} is not {{version: int, digest: str, parent, ancestors: [str], "
+                          "reset_rows: {feature: [int]}}: a damaged or altered manifest")  # fmt: skip
+    return section
 
 
 def _vocabulary_of(source: DataSource) -> Optional[dict[str, Any]]:
