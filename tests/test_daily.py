@@ -77,6 +77,17 @@ def test_a_checkpoint_already_serving_is_published_once(trained, capsys, tmp_pat
     assert cli(capsys, "export", last, "--publish", str(root), "--gate", str(trained / "data"))[0] == 0
     rc, out, _ = cli(capsys, "export", last, "--publish", str(root), "--gate", str(trained / "data"))
     assert rc == 0 and "nothing to publish" in out and len(versions(root)) == 1
+    # A pod lost between writing a version and naming it: the version is there, current still
+    # names its parent. Run again, the publish names it, and writes no other.
+    early = str(trained / "ck" / "step_00000001")
+    assert cli(capsys, "export", early, "--publish", str(root / "next"))[0] == 0
+    (first,) = versions(root / "next")
+    assert cli(capsys, "export", last, "--publish", str(root / "next"), "--gate", str(trained / "data"))[0] == 0
+    second = (root / "next" / "current").read_text().strip()
+    (root / "next" / "current").write_text(first + "\n")
+    rc, out, _ = cli(capsys, "export", last, "--publish", str(root / "next"), "--gate", str(trained / "data"))
+    assert rc == 0 and "not yet named" in out
+    assert (root / "next" / "current").read_text().strip() == second and versions(root / "next") == sorted([first, second])
 
 
 def test_gate_and_tolerance_need_publish(trained, capsys, tmp_path):
