@@ -197,4 +197,4 @@ def test_a_damaged_vocabulary_section_is_refused_in_one_line(lineage, capsys, tm
                                                             "ancestors": [], "reset_rows": {"user": ["../../etc"]}})  # fmt: skip
     line = one_line_error(capsys, 2, "train", *MODEL, "--dataset_path", str(bad), "--warm_start", str(root / "parent"),
                           "--output_dir", str(tmp_path / "run"))  # fmt: skip
-    assert "manifest.json: vocabulary" in line and "damaged or altered" in line
+    assert "manifest.json" in line and "vocabulary.reset_rows.user[0]" in line and "damaged or altered" in line

@@ -213,20 +213,31 @@ def _vocabulary(dataset: Any) -> Optional[dict[str, Any]]:
     section = dataset.manifest.get("vocabulary")
     if section is None:
         return {"version": 0, "digest": dataset.digest, "parent": None, "ancestors": [], "reset_rows": {}}
-    # The manifest is read as untrusted input: a section that is not as the contract writes it
-    # stops the run in one line before a row is reset.
-    where = f"{dataset.manifest_url}: vocabulary"
-    rows = section.get("reset_rows") if isinstance(section, dict) else None
-    ok = (isinstance(section, dict) and isinstance(section.get("digest"), str)
-          and isinstance(section.get("version"), int) and not isinstance(section.get("version"), bool)
-          and isinstance(section.get("ancestors", []), list) and all(isinstance(a, str) for a in section.get("ancestors", []))
-          and isinstance(rows if rows is not None else {}, dict)
-          and all(isinstance(k, str) and isinstance(v, list) and all(isinstance(r, int) and not isinstance(r, bool) for r in v)
-                  for k, v in (rows or {}).items()))  # fmt: skip
-    if not ok:
-        raise ConfigError("dataset_path", f"{where} is not {{version: int, digest: str, parent, ancestors: [str], "
-                          "reset_rows: {feature: [int]}}: a damaged or altered manifest")  # fmt: skip
-    return section
+    return _checked_vocabulary(section, dataset)
+
+
+def _checked_vocabulary(section: Any, dataset: Any) -> dict[str, Any]:
+    """A manifest's vocabulary section read as untrusted input, field by field: a section
+    that is not as preprocessing writes it stops the run in one line (``--dataset_path``)
+    before a row is reset; a reused row must be a row of its feature's table."""
+    from torchrec_cloud.untrusted import Fields, UntrustedInputError, text
+
+    sizes = dict(zip((f.name for f in dataset.schema.sparse), dataset.table_sizes))
+    try:
+        f = Fields(section, dataset.manifest_url, "vocabulary")
+        version, digest = f.int("version"), f.text("digest", max_len=128)
+        parent = f.text("parent", max_len=128, optional=True)
+        ancestors = [text(a, f.file, f"{f.field('ancestors')}[{i}]", 128)
+                     for i, a in enumerate(f.list("ancestors", 100_000, optional=True) or [])]  # fmt: skip
+        rows = f.obj("reset_rows", optional=True)
+        reset = {}
+        for name in (rows.data if rows is not None else {}):
+            if name not in sizes:
+                raise UntrustedInputError(f.file, rows.field(name), "is not a sparse feature of the schema")
+            reset[name] = rows.ints(name, sizes[name], lo=0, hi=sizes[name] - 1)
+    except UntrustedInputError as e:
+        raise ConfigError("dataset_path", f"{e} (a damaged or altered manifest)") from None
+    return {"version": version, "digest": digest, "parent": parent, "ancestors": ancestors, "reset_rows": reset}
 
 
 def _vocabulary_of(source: DataSource) -> Optional[dict[str, Any]]:
