@@ -198,3 +198,22 @@ def test_a_damaged_vocabulary_section_is_refused_in_one_line(lineage, capsys, tm
     line = one_line_error(capsys, 2, "train", *MODEL, "--dataset_path", str(bad), "--warm_start", str(root / "parent"),
                           "--output_dir", str(tmp_path / "run"))  # fmt: skip
     assert "manifest.json" in line and "vocabulary.reset_rows.user[0]" in line and "damaged or altered" in line
+
+
+def test_data_without_vocabularies_warm_starts_on_equal_tables(tmp_path, capsys):
+    """Synthetic data (as Criteo's or a hash-only schema's, no vocabulary): any checkpoint of
+    the same model warm-starts, nothing is reset, and its checkpoints record no vocabulary."""
+    from helpers import TINY
+
+    train(parse_job_config([*TINY, "--no-tensorboard", "--checkpoint_path", str(tmp_path / "a"),
+                            "--output_dir", str(tmp_path / "a_run")]))  # fmt: skip
+    train(parse_job_config([*TINY, "--no-tensorboard", "--warm_start", str(tmp_path / "a"), "--checkpoint_path",
+                            str(tmp_path / "b"), "--output_dir", str(tmp_path / "b_run")]))  # fmt: skip
+    records = read_metrics(tmp_path / "b_run")
+    warm = [r for r in records if r["event"] == "warm_start"][0]
+    assert warm["reset_rows"] == {} and records[0]["parent"]["vocabulary_digest"] is None
+    commit = json.loads((newest(tmp_path / "b") / "COMMIT.json").read_text())
+    assert "vocabulary" not in commit and commit["trainer"]["step"] == records[-1]["step"]
+    line = one_line_error(capsys, 2, "train", *TINY, "--num_embeddings", "50", "--warm_start", str(tmp_path / "a"),
+                          "--output_dir", str(tmp_path / "c_run"))  # fmt: skip
+    assert "--warm_start" in line and "different model" in line
