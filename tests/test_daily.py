@@ -122,6 +122,8 @@ def test_every_cloud_renders_a_valid_admitted_daily_cronjob(cloud):
     assert_hardened(docs)
     cron = by_kind(docs, "CronJob")["spec"]
     assert cron["concurrencyPolicy"] == "Forbid" and cron["schedule"] == "0 2 * * *"
+    # What `submit` compares with the cluster: the Job template's podFailurePolicy is GA in 1.31.
+    assert by_kind(docs, "CronJob")["metadata"]["annotations"]["torchrec-cloud/min-kubernetes"] == "1.31"
     (container,) = cron["jobTemplate"]["spec"]["template"]["spec"]["containers"]
     assert container["command"][:2] == ["bash", "-c"] and "--gate" in container["command"][2]
 

@@ -357,7 +357,10 @@ def daily_context(spec: DeploySpec, profile: Profile) -> dict[str, Any]:
         [*LAUNCH_COMMAND, "--standalone", f"--nproc_per_node={spec.procs}", "-m", "torchrec_cloud", "train"]  # fmt: skip
     script = render_template("daily.sh.j2", train_command=train, train_args=["--preset", spec.preset, *spec.train_args],
                              tolerance=DEFAULT_TOLERANCE)  # fmt: skip
+    from torchrec_cloud.deploy.admission import MIN_KUBERNETES_ANNOTATION, MIN_VERSIONS
+
     ctx.update({
+        "workload_annotations": {MIN_KUBERNETES_ANNOTATION: MIN_VERSIONS["daily"]["kubernetes"]},
         "daily_root": root,
         "daily_script": script,
         "daily_command": ["bash", "-c", script],
