@@ -41,7 +41,7 @@ COMMANDS = {
     "submit": "torchrec_cloud.deploy.submit",
     "data": "torchrec_cloud.data.cli",
     "checkpoint": "torchrec_cloud.checkpoint.cli",
-    "export": "torchrec_cloud.serving.export",
+    "export": "torchrec_cloud.serving.export_cli",
     "predict": "torchrec_cloud.serving.predict",
     "serve": "torchrec_cloud.serving.server",
     "launch": "torchrec_cloud.launch",

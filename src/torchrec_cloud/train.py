@@ -62,10 +62,11 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
     # A dataset's vocabularies checked against its manifest, and the digest of its transforms
     # that every checkpoint records, before anything is built.
     facts = _data_facts(source, env)
+    vocabulary = _vocabulary_of(source)  # what a checkpoint records; a warm start checks it
     bar_shown = env.is_main and cfg.output.progress and sys.stdout.isatty() and sys.stderr.isatty()
     sink = build_sinks(cfg, env, train_lines=not bar_shown)
     # Storage access and the checkpoint to resume are checked before anything is built.
-    checkpoints = Checkpointer(cfg, env, sink, pinned=facts.get(PINNED))
+    checkpoints = Checkpointer(cfg, env, sink, pinned=facts.get(PINNED), vocabulary=vocabulary)
     report_run(checkpoints.root)  # the launcher says which checkpoint a restart resumes from
     # SIGTERM: finish the step, save if the grace allows, stop
     preemption = Preemption(checkpoints.enabled, cfg.train.stop_stall_s, cfg.train.sigterm_grace_s)
@@ -80,12 +81,14 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
 
     batches_per_epoch = source.num_train_batches()
     total_steps = cfg.train.num_epochs * batches_per_epoch
-    sink.log(_start_record(cfg, env, trainer, facts, total_steps))
+    sink.log(_start_record(cfg, env, trainer, facts, total_steps, vocabulary, checkpoints))
 
-    # -- resume ------------------------------------------------------------------------
+    # -- resume, or warm-start -----------------------------------------------------------
     position = Position()
     if checkpoints.resume_target is not None:
         position = _resume(checkpoints, dmp, optimizer, scheduler, env, sink)
+    elif checkpoints.warm_target is not None:
+        position = _warm_start(checkpoints, dmp, optimizer, scheduler, cfg, env, sink)
 
     # -- loop --------------------------------------------------------------------------
     bar = tqdm(total=total_steps, initial=position.step, disable=not bar_shown, unit="step")
@@ -200,11 +203,59 @@ def _data_facts(source: DataSource, env: Env) -> dict[str, Any]:
     return facts
 
 
-def _start_record(cfg: JobConfig, env: Env, trainer: Trainer, facts: dict[str, Any], total_steps: int) -> dict[str, Any]:
+def _vocabulary(dataset: Any) -> Optional[dict[str, Any]]:
+    """The vocabulary section of a schema dataset's manifest (``version``, ``digest``,
+    ``parent``, ``ancestors``, ``reset_rows``), or None when no feature maps by vocabulary
+    (hash and modulo mappings keep every id's row by construction). A manifest written before
+    vocabularies grew has none: version 0, named by the digest of its transforms."""
+    if not any(f.mapping == "vocab" for f in dataset.schema.sparse):
+        return None
+    section = dataset.manifest.get("vocabulary")
+    if section is None:
+        return {"version": 0, "digest": dataset.digest, "parent": None, "ancestors": [], "reset_rows": {}}
+    return _checked_vocabulary(section, dataset)
+
+
+def _checked_vocabulary(section: Any, dataset: Any) -> dict[str, Any]:
+    """A manifest's vocabulary section read as untrusted input, field by field: a section
+    that is not as preprocessing writes it stops the run in one line (``--dataset_path``)
+    before a row is reset; a reused row must be a row of its feature's table."""
+    from torchrec_cloud.untrusted import Fields, UntrustedInputError, text
+
+    sizes = dict(zip((f.name for f in dataset.schema.sparse), dataset.table_sizes))
+    try:
+        f = Fields(section, dataset.manifest_url, "vocabulary")
+        version, digest = f.int("version"), f.text("digest", max_len=128)
+        parent = f.text("parent", max_len=128, optional=True)
+        ancestors = [text(a, f.file, f"{f.field('ancestors')}[{i}]", 128)
+                     for i, a in enumerate(f.list("ancestors", 100_000, optional=True) or [])]  # fmt: skip
+        rows = f.obj("reset_rows", optional=True)
+        reset = {}
+        for name in (rows.data if rows is not None else {}):
+            if name not in sizes:
+                raise UntrustedInputError(f.file, rows.field(name), "is not a sparse feature of the schema")
+            reset[name] = rows.ints(name, sizes[name], lo=0, hi=sizes[name] - 1)
+    except UntrustedInputError as e:
+        raise ConfigError("dataset_path", f"{e} (a damaged or altered manifest)") from None
+    return {"version": version, "digest": digest, "parent": parent, "ancestors": ancestors, "reset_rows": reset}
+
+
+def _vocabulary_of(source: DataSource) -> Optional[dict[str, Any]]:
+    """:func:`_vocabulary` of the source's dataset; None for other sources (synthetic, Criteo)."""
+    dataset = getattr(source, "dataset", None)
+    if dataset is None or not hasattr(dataset, "schema") or not isinstance(getattr(dataset, "manifest", None), dict):
+        return None
+    return _vocabulary(dataset)
+
+
+def _start_record(cfg: JobConfig, env: Env, trainer: Trainer, facts: dict[str, Any], total_steps: int,
+                  vocabulary: Optional[dict[str, Any]] = None, checkpoints: Optional[Checkpointer] = None,
+                  ) -> dict[str, Any]:  # fmt: skip
     """The run's first record: where it runs, how the step communicates, what the speed-ups
     layer applied, where each table went (``plan``: the sharding plan it trains with, to
     compare with ``torchrec-cloud plan``), the whole config; on rank 0, what the data source
-    knows (``bayes_auc``)."""
+    knows (``bayes_auc``); the dataset's vocabulary (version and digest) and, for a warm
+    start, its ``parent`` (the checkpoint, its step and its vocabulary's digest)."""
     record: dict[str, Any] = {
         "event": "start",
         "step": 0,
@@ -220,6 +271,13 @@ def _start_record(cfg: JobConfig, env: Env, trainer: Trainer, facts: dict[str, A
         "config": cfg.to_dict(),
         **facts,
     }
+    if vocabulary is not None:
+        record["vocabulary"] = {"version": vocabulary.get("version"), "digest": vocabulary.get("digest")}
+    warm = checkpoints.warm_target if checkpoints is not None else None
+    if warm is not None:
+        from torchrec_cloud.checkpoint.checkpointer import saved_vocabulary_digest
+
+        record["parent"] = {"path": warm.path, "step": warm.step, "vocabulary_digest": saved_vocabulary_digest(warm)}
     return record
 
 
@@ -513,6 +571,28 @@ def _resume(checkpoints: Checkpointer, dmp, optimizer, scheduler, env: Env, sink
             "saved_world_size": target.world_size,
             "world_size": env.world_size,
             "verified": checkpoints.verifies(target),
+        }
+    )
+    return position
+
+
+def _warm_start(checkpoints: Checkpointer, dmp, optimizer, scheduler, cfg: JobConfig, env: Env,
+                sink: MetricsSink) -> Position:  # fmt: skip
+    start = time.perf_counter()
+    target = checkpoints.warm_target
+    reset = checkpoints.resets_rows(target)
+    position = checkpoints.load_warm(dmp, optimizer, scheduler, cfg.model, cfg.data.seed)
+    rows = (checkpoints.vocabulary or {}).get("reset_rows") or {} if reset else {}
+    sink.log(
+        {
+            "event": "warm_start",
+            "step": 0,
+            "path": target.path,
+            "parent_step": target.step,
+            "seconds": round(time.perf_counter() - start, 4),
+            "saved_world_size": target.world_size,
+            "world_size": env.world_size,
+            "reset_rows": {feature: len(r) for feature, r in sorted(rows.items())},
         }
     )
     return position

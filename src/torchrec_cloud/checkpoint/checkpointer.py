@@ -275,14 +275,18 @@ class Checkpointer:
     problem is a :class:`ConfigError` naming the flag, before a single training step.
     """
 
-    def __init__(self, cfg: JobConfig, env, sink, pinned: Optional[dict[str, str]] = None) -> None:
+    def __init__(self, cfg: JobConfig, env, sink, pinned: Optional[dict[str, str]] = None,
+                 vocabulary: Optional[dict[str, Any]] = None) -> None:  # fmt: skip
         """``pinned``: the transforms of the data this run trains on (kind and digest, rank
         0's; ``data.dataset.PINNED``), recorded in every COMMIT.json it writes: what ``export``
-        checks a dataset's transforms against."""
+        checks a dataset's transforms against. ``vocabulary``: its dataset's vocabulary section
+        (``train._vocabulary``; None for data without vocabularies), whose version and digest
+        every COMMIT.json records: what a warm start checks the next day's dataset against."""
         from torchrec_cloud import comm
 
         self.cfg = cfg
         self.pinned = pinned
+        self.vocabulary = vocabulary
         self.ck = cfg.checkpoint
         self.env = env
         self.sink = sink
@@ -303,6 +307,15 @@ class Checkpointer:
                 self._warn_other_transforms(self.resume_target)
             if self.resume_target.commit is not None:
                 self._save_seconds = self.resume_target.commit.get("seconds")
+        # --warm_start: a new run from another run's checkpoint, unless this run has its own.
+        self.warm_target: Optional[CheckpointInfo] = None
+        if self.resume_target is None and self.ck.warm_start is not None:
+            self.warm_target = _agree(env, self._find_warm_target, "warm_start")
+            self._check_compatible(self.warm_target, "warm_start")
+            check_descent(self.warm_target, vocabulary)
+        elif self.resume_target is not None and self.ck.warm_start is not None and env.rank == 0:
+            print(f"--checkpoint_path {self.root} holds this run's own {self.resume_target.name}: resuming it "
+                  f"(--warm_start {self.ck.warm_start} was for the run's first start)", file=sys.stderr, flush=True)  # fmt: skip
         self.last_step: Optional[int] = self.resume_target.step if self.resume_target is not None else None
         if self.root is not None:
             _agree(env, self._record_start, "checkpoint_path")
@@ -427,7 +440,17 @@ class Checkpointer:
             storage.remove(path, recursive=True)
         write_owner(path, self.owner or "")
 
-    def _check_compatible(self, info: CheckpointInfo) -> None:
+    def _find_warm_target(self) -> CheckpointInfo:
+        try:
+            target = resolve(self.ck.warm_start)
+        except ConfigError as e:
+            raise ConfigError("warm_start", str(e).split(": ", 1)[-1]) from None
+        problem = metadata_problem(target)
+        if problem:
+            raise ConfigError("warm_start", f"{target.path} is damaged: {problem}")
+        return target
+
+    def _check_compatible(self, info: CheckpointInfo, flag: Optional[str] = None) -> None:
         saved = (info.commit or {}).get("config", {}).get("model")
         current = dataclasses.asdict(self.cfg.model)
         if saved is None or saved == current:
@@ -439,7 +462,7 @@ class Checkpointer:
         )
         if not diffs:  # saved by a version without some of today's fields, all at their defaults
             return
-        flag = "resume_from" if self.ck.resume_from else "checkpoint_path"
+        flag = flag or ("resume_from" if self.ck.resume_from else "checkpoint_path")
         raise ConfigError(flag, f"{info.path} was written for a different model: {diffs}")
 
     def _warn_other_transforms(self, info: CheckpointInfo) -> None:
@@ -517,6 +540,38 @@ class Checkpointer:
         if storage.is_url(ours):
             return info.path.rstrip("/") == ours.rstrip("/")
         return os.path.realpath(info.path) == os.path.realpath(ours)
+
+    def load_warm(self, dmp: torch.nn.Module, optimizer: Any, scheduler: Any, model_cfg: Any, seed: int) -> Position:
+        """Load ``warm_target``'s model and optimizer state (the tables' row-wise Adagrad state
+        included; any saved rank count, as a resume) into this new run, whose position is step
+        0 and whose learning-rate schedule starts again from this run's flags. The rows the
+        dataset reused for new ids (its vocabulary's ``reset_rows``) get fresh weights, drawn as
+        the table's own initialisation draws them, and no optimizer state."""
+        from torch.distributed.checkpoint import CheckpointException, load
+
+        info = self.warm_target
+        assert info is not None and info.commit is not None
+        source = reader(info.path, info.commit, checksums=self.verifies(info))
+        state = training_state(dmp, optimizer, self.env.rank)
+        try:
+            load(state, storage_reader=source, planner=load_planner(info.path))
+        except CheckpointDamagedError as e:
+            raise ConfigError("warm_start", f"{info.path} is damaged: {e.file}: {e.detail}") from e
+        except (CheckpointException, Exception) as e:
+            raise load_error(info.path, e) from e
+        if self.resets_rows(info):
+            reset_rows(state, (self.vocabulary or {}).get("reset_rows") or {}, model_cfg, seed)
+        fresh = scheduler.state_dict()
+        dmp.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(fresh)  # the saved param groups' rates give way to this run's schedule
+        return Position()
+
+    def resets_rows(self, info: CheckpointInfo) -> bool:
+        """Whether this run's dataset reused rows since ``info``'s vocabulary (its own is not
+        the checkpoint's)."""
+        saved = saved_vocabulary_digest(info)
+        return self.vocabulary is not None and saved != self.vocabulary.get("digest")
 
     # -- save
 
@@ -661,6 +716,8 @@ class Checkpointer:
         }
         if self.pinned is not None:
             commit["pinned_transforms"] = self.pinned
+        if self.vocabulary is not None:
+            commit[VOCABULARY] = {"version": self.vocabulary.get("version"), "digest": self.vocabulary.get("digest")}
         written = files_writer.file_checksums()
         if written is not None:
             commit["checksums"] = _checksums(path, files, written)
@@ -680,6 +737,111 @@ class Checkpointer:
                 "world_size": self.env.world_size,
             }
         )
+
+
+VOCABULARY = "vocabulary"
+"""The key of the vocabulary a checkpoint trained with (``{"version", "digest"}``) in its
+COMMIT.json: what ``--warm_start`` checks the next dataset's lineage against."""
+
+
+def saved_vocabulary_digest(info: CheckpointInfo) -> Optional[str]:
+    """The digest of the vocabulary ``info`` trained with: its COMMIT.json's ``vocabulary``,
+    or, for a checkpoint saved before that was recorded, the digest of its pinned transforms
+    (what an old manifest's vocabulary version 0 is named by); None when it records neither."""
+    commit = info.commit or {}
+    for found in ((commit.get(VOCABULARY) or {}), (commit.get("pinned_transforms") or {})):
+        if isinstance(found, dict) and isinstance(found.get("digest"), str):
+            return found["digest"]
+    return None
+
+
+def check_descent(info: CheckpointInfo, vocabulary: Optional[dict[str, Any]]) -> None:
+    """A ConfigError (--warm_start) unless the dataset's ``vocabulary`` descends from the one
+    ``info`` trained with: the same digest, or one of its ancestors. Data without vocabularies
+    (hash or modulo mappings only, Criteo) keeps every id's row by construction: the model
+    check (the same features and table sizes) is all it needs."""
+    if vocabulary is None:
+        return
+    saved = saved_vocabulary_digest(info)
+    mine = vocabulary.get("digest")
+    ancestors = [a for a in vocabulary.get("ancestors") or [] if isinstance(a, str)]
+    if saved is not None and (saved == mine or saved in ancestors):
+        return
+    theirs = f"vocabulary {str(saved)[:16]}" if saved is not None else "no recorded vocabulary"
+    raise ConfigError("warm_start", f"{info.path} was trained on {theirs}; this dataset's vocabulary "
+                      f"{str(mine)[:16]} (version {vocabulary.get('version')}) does not descend from it (not it, nor "
+                      f"any of its {len(ancestors)} ancestors): its ids would reach other rows. Preprocess the day "
+                      "with --vocab_from the dataset that checkpoint trained on, or train cold")  # fmt: skip
+
+
+def _table_fqns(state: dict[str, Any], table: str) -> tuple[list[str], list[tuple[str, ...]]]:
+    """The model keys of ``table``'s weight and the optimizer-state paths of its row-wise state
+    in a training state (``dcp.training_state``)."""
+    weights = [k for k in state["model"] if k.endswith(f".{table}.weight")]
+    found: list[tuple[str, ...]] = []
+
+    def walk(node: Any, path: tuple[str, ...]) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, (*path, str(k)))
+        elif any(f".{table}." in p or p.startswith(f"{table}.") for p in path):
+            found.append(path)
+
+    walk(state["optimizer"].get("state", {}), ("state",))
+    return weights, found
+
+
+def _local_pieces(value: Any) -> list[tuple["torch.Tensor", tuple[int, ...]]]:
+    """This rank's pieces of a (Sharded)Tensor, each with its offsets in the whole tensor."""
+    import torch
+
+    if isinstance(value, torch.Tensor) and hasattr(value, "local_shards") and not type(value) is torch.Tensor:
+        return [(s.tensor, tuple(s.metadata.shard_offsets)) for s in value.local_shards()]
+    if isinstance(value, torch.Tensor):
+        return [(value, (0,) * value.dim())]
+    return []
+
+
+def reset_rows(state: dict[str, Any], rows_by_feature: dict[str, list[int]], model_cfg: Any, seed: int) -> int:
+    """Give the ``rows_by_feature`` of each table, in this rank's pieces of ``state``, the
+    weights a fresh initialisation of that table draws (uniform in the table's init range, as
+    torchrec 1.8 ``BatchedFusedEmbeddingBag.init_parameters`` draws them from
+    ``EmbeddingBagConfig.get_weight_init_min/max``), and zero row-wise optimizer state. The
+    fresh rows come from one generator per table seeded by ``seed`` and the table's name, so
+    every rank, whatever its shard, draws the same rows. Returns the rows reset here."""
+    import zlib
+
+    import torch
+
+    from torchrec_cloud.model import table_configs
+
+    configs = {c.feature_names[0]: c for c in table_configs(model_cfg)}
+    done = 0
+    for feature, rows in sorted(rows_by_feature.items()):
+        config = configs.get(feature)
+        if config is None or not rows:
+            continue
+        index = torch.tensor(sorted({int(r) for r in rows if 0 <= int(r) < config.num_embeddings}), dtype=torch.long)
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(config.name.encode()))
+        fresh = torch.empty(len(index), config.embedding_dim).uniform_(
+            config.get_weight_init_min(), config.get_weight_init_max(), generator=generator)  # fmt: skip
+        weights, optimizer_paths = _table_fqns(state, config.name)
+        for key in weights:
+            for piece, (row0, col0) in _local_pieces(state["model"][key]):
+                mine = (index >= row0) & (index < row0 + piece.shape[0])
+                piece[index[mine] - row0] = fresh[mine][:, col0 : col0 + piece.shape[1]].to(piece.dtype)
+                done += int(mine.sum())
+        for path in optimizer_paths:
+            node: Any = state["optimizer"]
+            for p in path:
+                node = node[p]
+            for piece, offsets in _local_pieces(node):
+                if piece.dim() == 0:
+                    continue  # a step count, not a row's state
+                row0 = offsets[0]
+                mine = (index >= row0) & (index < row0 + piece.shape[0])
+                piece[index[mine] - row0] = 0
+    return done
 
 
 def _checksums(path: str, files: dict[str, int], written: dict[str, Optional[list[str]]]) -> dict[str, Any]:

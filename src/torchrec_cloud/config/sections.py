@@ -452,6 +452,12 @@ class CheckpointConfig:
     resume_from: Optional[str] = None
     """Resume from this checkpoint (a step_NNNNNNNN folder, a folder of them or a run folder:
     its newest complete one) instead of the newest under --checkpoint_path."""
+    warm_start: Optional[str] = None
+    """Start a new run (step 0, the learning-rate schedule from its start) from the model and
+    optimizer state of this checkpoint (a step_NNNNNNNN folder, a folder of them or a run
+    folder): the day's warm start. The dataset's vocabulary must descend from the one the
+    checkpoint trained on, and the rows it reused are reset. Once --checkpoint_path holds
+    checkpoints of its own, the run resumes them instead (a restart does not warm-start again)."""
     async_checkpoint: bool = False
     """Write checkpoints in a background thread; training waits only while the state is
     copied in memory."""
@@ -475,7 +481,10 @@ class CheckpointConfig:
         _positive("checkpoint_every_s", self.checkpoint_every_s, allow_zero=True)
         _positive("no_progress_restarts", self.no_progress_restarts, allow_zero=True)
         _positive("checkpoint_keep", self.checkpoint_keep, allow_zero=True)
-        for flag in ("checkpoint_path", "resume_from"):
+        if self.warm_start is not None and self.resume_from is not None:
+            raise ConfigError("warm_start", "give --warm_start (a new run from a checkpoint) or --resume_from (the same "
+                              "run, continued), not both")  # fmt: skip
+        for flag in ("checkpoint_path", "resume_from", "warm_start"):
             value = getattr(self, flag)
             if value is None:
                 continue

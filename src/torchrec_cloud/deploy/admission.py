@@ -44,6 +44,12 @@ MIN_VERSIONS: dict[str, dict[str, Any]] = {
         "why": "JobSet v0.12.0 supports the latest 3 minor versions (README: tested on 1.32-1.34); "
                "Kubeflow Trainer v2.3.0 needs Kubernetes >= 1.31 (docs/operator-guides/installation.md)",
     },
+    "daily": {
+        "kubernetes": "1.31",
+        "operators": "",
+        "why": "the CronJob's Job template takes a podFailurePolicy with the DisruptionTarget condition, GA "
+               "in 1.31; CronJob timeZone is GA in 1.27",
+    },
     "serve": {
         "kubernetes": "1.30",
         "operators": "",

@@ -63,6 +63,8 @@ LAUNCHER_TEMPLATES = {
 }
 # `--job preprocess`: an Indexed Job of `data preprocess` pods (no Service: they never talk).
 PREPROCESS_TEMPLATES = ["namespace.yaml.j2", "serviceaccount.yaml.j2", "preprocess_job.yaml.j2", "networkpolicy.yaml.j2"]
+# `--job daily`: a CronJob whose one pod runs the day's steps (daily.sh.j2).
+DAILY_TEMPLATES = ["namespace.yaml.j2", "serviceaccount.yaml.j2", "daily_cronjob.yaml.j2", "networkpolicy.yaml.j2"]
 # The pods' annotation with the plan made before rendering (`kubectl describe pod`).
 PLAN_ANNOTATION = "torchrec-cloud/plan"
 # The seconds between SIGTERM and SIGKILL a pod can count on (the trainer's
@@ -202,6 +204,8 @@ def build_context(spec: DeploySpec, profile: Optional[Profile] = None) -> dict[s
     profile = profile or load_profile(spec.cloud)
     if spec.job == "preprocess":
         return preprocess_context(spec, profile)
+    if spec.job == "daily":
+        return daily_context(spec, profile)
     if spec.job == "serve":
         from torchrec_cloud.deploy.serving import serve_context
 
@@ -289,6 +293,44 @@ def preprocess_context(spec: DeploySpec, profile: Profile) -> dict[str, Any]:
         "exit_config": EXIT_CONFIG,
         "monitoring": None,
         # Nothing connects to a preprocessing pod: no ingress at all.
+        "network_policy": _network_policy(spec, profile, None, 0, ctx["selector"], ctx["labels"], peers=False),
+    })  # fmt: skip
+    ctx["container_spec"] = _container_spec(ctx, ports=[])
+    return ctx
+
+
+def daily_context(spec: DeploySpec, profile: Profile) -> dict[str, Any]:
+    """``--job daily``: a CronJob of one pod, on the training instance (its GPUs, requests and
+    storage), running :func:`daily_script`; its days under ``OUTPUT_ROOT/daily``."""
+    from torchrec_cloud.launch import EXIT_CONFIG
+    from torchrec_cloud.serving.publish import DEFAULT_TOLERANCE
+
+    instance = _instance(spec, profile)
+    grace = spec.grace_period_s or profile.termination_grace_period_s
+    ctx = _workload_context(spec, profile, instance, grace)
+    root = f"{ctx['output_root']}/daily"
+    identity = profile.identity or {}
+    env = {**profile.env, **(instance.env if instance is not None else {}), GRACE_ENV: grace,
+           "DAILY_ROOT": root, "DAILY_SCHEMA": f"{root}/schema.yaml", "DAILY_INPUT": f"{root}/input"}  # fmt: skip
+    train = ["torchrec-cloud", "train"] if spec.procs == 1 else \
+        [*LAUNCH_COMMAND, "--standalone", f"--nproc_per_node={spec.procs}", "-m", "torchrec_cloud", "train"]  # fmt: skip
+    script = render_template("daily.sh.j2", train_command=train, train_args=["--preset", spec.preset, *spec.train_args],
+                             tolerance=DEFAULT_TOLERANCE)  # fmt: skip
+    from torchrec_cloud.deploy.admission import MIN_KUBERNETES_ANNOTATION, MIN_VERSIONS
+
+    ctx.update({
+        "workload_annotations": {MIN_KUBERNETES_ANNOTATION: MIN_VERSIONS["daily"]["kubernetes"]},
+        "daily_root": root,
+        "daily_script": script,
+        "daily_command": ["bash", "-c", script],
+        "pod_labels": {**ctx["labels"], **identity.get("pod_labels", {}), **profile.pod_labels},
+        "pod_annotations": dict(profile.pod_annotations),
+        "env": [{"name": k, "value": str(v)} for k, v in env.items()],
+        "resources": _resources(spec, profile, instance, ctx["rdma"]),
+        "backoff_limit": spec.backoff_limit if spec.backoff_limit is not None else profile.backoff_limit,
+        "exit_config": EXIT_CONFIG,
+        "monitoring": None,
+        # Nothing connects to the daily pod: no ingress at all.
         "network_policy": _network_policy(spec, profile, None, 0, ctx["selector"], ctx["labels"], peers=False),
     })  # fmt: skip
     ctx["container_spec"] = _container_spec(ctx, ports=[])
@@ -408,6 +450,8 @@ def render_documents(spec: DeploySpec, profile: Optional[Profile] = None) -> lis
     ctx = build_context(spec, profile)
     if spec.job == "preprocess":
         docs = [render_template(name, **ctx) for name in PREPROCESS_TEMPLATES]
+    elif spec.job == "daily":
+        docs = [render_template(name, **ctx) for name in DAILY_TEMPLATES]
     elif spec.job == "serve":
         from torchrec_cloud.deploy.serving import serve_templates
 

@@ -72,7 +72,7 @@ def run(ns: argparse.Namespace) -> int:
             return 2
         files = {"storage.yaml": text}
     else:
-        name = spec.job if spec.job in ("preprocess", "serve") else spec.launcher
+        name = spec.job if spec.job in ("preprocess", "serve", "daily") else spec.launcher
         files = {f"{name}.yaml": render_bundle(spec, profile)}
         storage = render_storage(spec, profile) if ns.output else None
         if storage:

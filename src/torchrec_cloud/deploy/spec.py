@@ -22,13 +22,14 @@ from torchrec_cloud import __version__, install_extra
 from torchrec_cloud.config import PRESETS, ConfigError, FlagParser, add_config_flags, config_from_args, flag_kwargs
 
 LAUNCHERS = ("job", "pytorchjob", "trainjob", "kserve")
-JOBS = ("train", "preprocess", "serve")
+JOBS = ("train", "preprocess", "serve", "daily")
 AUTOSCALERS = ("hpa", "keda")
 DEFAULT_NAME = "torchrec-dlrm"
 # `--job preprocess` without --name: a name of its own, so that it and the training job can
 # live in one namespace.
 PREPROCESS_NAME = "torchrec-preprocess"
 SERVE_NAME = "torchrec-serve"
+DAILY_NAME = "torchrec-daily"
 DEFAULT_IMAGE = f"torchrec-cloud:{__version__}"
 
 # Kubernetes names: DNS-1123 labels. Pod hostnames of an Indexed Job are
@@ -162,12 +163,14 @@ class DeploySpec:
 
     cloud: str = "generic"
     """Profile to fill the templates with (profiles/<cloud>.yaml)."""
-    job: Literal["train", "preprocess", "serve"] = "train"
+    job: Literal["train", "preprocess", "serve", "daily"] = "train"
     """What the pods run: train, or preprocess: `data preprocess --schema` split over --nodes
     pods (an Indexed Job, one share of the inputs each, CPU only), whose flags (--schema,
     --input, --output, --split_by ...) go after '--'; or serve: `torchrec-cloud serve
     --model_url` replicas (a Deployment, Service, autoscaler, PodDisruptionBudget), whose
-    `serve` flags go after '--'."""
+    `serve` flags go after '--'; or daily: a CronJob whose one pod preprocesses the day, warm-
+    starts training from the day before and publishes through the gate (docs/daily.md), whose
+    training flags go after '--'."""
     launcher: Literal["job", "pytorchjob", "trainjob", "kserve"] = "job"
     """Indexed Job + headless Service (plain Kubernetes), Kubeflow v1 PyTorchJob, or Kubeflow
     Trainer v2 TrainJob; with --job serve: job (a Deployment) or kserve (a KServe
@@ -243,6 +246,10 @@ class DeploySpec:
     """With --job serve: fewest replicas (default: the profile's serving.min_replicas)."""
     max_replicas: Optional[int] = None
     """With --job serve: most replicas (default: the profile's serving.max_replicas)."""
+    schedule: str = "0 2 * * *"
+    """With --job daily: when the day's job starts (a cron schedule, in the CronJob's --time_zone)."""
+    time_zone: str = "Etc/UTC"
+    """With --job daily: the time zone of --schedule (an IANA name)."""
     train_args: list[str] = field(default_factory=list)
     """Trainer flags, e.g. ['--batch_size', '4096'] (with --job preprocess: `data preprocess` flags;
     with --job serve: `serve` flags)."""
@@ -256,6 +263,8 @@ class DeploySpec:
             self.name = PREPROCESS_NAME
         if self.job == "serve" and self.name == DEFAULT_NAME:
             self.name = SERVE_NAME
+        if self.job == "daily" and self.name == DEFAULT_NAME:
+            self.name = DAILY_NAME
         if self.autoscaler not in AUTOSCALERS:
             raise ConfigError("autoscaler", f"must be one of {', '.join(AUTOSCALERS)}, got {self.autoscaler!r}")
         if self.nodes < 1:
@@ -317,8 +326,12 @@ class DeploySpec:
                 raise ConfigError(flag, "applies to --job serve" + ("; training takes --gpus_per_node" if flag == "gpus" else ""))
         if self.launcher == "kserve":
             raise ConfigError("launcher", "kserve applies to --job serve")
+        if self.job != "daily" and (self.schedule, self.time_zone) != ("0 2 * * *", "Etc/UTC"):
+            raise ConfigError("schedule" if self.schedule != "0 2 * * *" else "time_zone", "applies to --job daily")
         if self.job == "preprocess":
             self._check_preprocess()
+        elif self.job == "daily":
+            self._check_daily()
         elif self.spot and not self.checkpoint_url and not self._trains_with("--checkpoint_path"):
             raise ConfigError(
                 "checkpoint_url",
@@ -352,6 +365,26 @@ class DeploySpec:
         if given:
             raise ConfigError("--", f"serve flags after '--': {given[0]} is the manifest's own "
                                     "(the Service and probes use it)")  # fmt: skip
+
+    def _check_daily(self) -> None:
+        """The daily job: one pod of a CronJob (the day's preprocessing, warm training, the gated
+        publish, one after the other), on a schedule."""
+        if self.launcher != "job" or self.nodes != 1:
+            raise ConfigError("nodes" if self.nodes != 1 else "launcher", "--job daily runs its steps in one pod of a "
+                              "CronJob: --launcher job --nodes 1 (its training uses that pod's GPUs)")  # fmt: skip
+        fields = self.schedule.split()
+        if len(fields) != 5 or not all(re.fullmatch(r"[0-9*/,\-A-Za-z?]+", f) for f in fields):
+            raise ConfigError("schedule", f"must be a cron schedule of 5 fields (minute hour day month weekday), "
+                              f"got {_shown(self.schedule)}")  # fmt: skip
+        if not re.fullmatch(r"[A-Za-z0-9_+\-]+(/[A-Za-z0-9_+\-]+)*", self.time_zone):
+            raise ConfigError("time_zone", f"must be an IANA time zone name such as Etc/UTC, got {_shown(self.time_zone)}")
+        for flag in ("data_url", "checkpoint_url"):
+            if getattr(self, flag):
+                raise ConfigError(flag, "applies to --job train; the daily job keeps its days under the shared "
+                                  "storage's daily/ folder (docs/daily.md)")  # fmt: skip
+        for owned in ("--dataset_path", "--checkpoint_path", "--output_dir", "--warm_start", "--resume_from"):
+            if self._trains_with(owned):
+                raise TrainFlagsError(f"{owned}: the daily job sets it for each day (docs/daily.md)")
 
     def _check_preprocess(self) -> None:
         """A preprocessing job: an Indexed Job of --nodes pods (or --shares N among its flags),

@@ -158,6 +158,8 @@ def version_key(spec: DeploySpec) -> str:
         return "kserve"
     if spec.job == "serve":
         return "serve-keda" if spec.autoscaler == "keda" else "serve"
+    if spec.job == "daily":
+        return "daily"
     return spec.launcher
 
 

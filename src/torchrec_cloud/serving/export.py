@@ -29,12 +29,14 @@ compiler). By default both, pt2 where it builds. Each is checked against TorchRe
 and the pt2 package also on a batch of one row and on empty bags.
 
 ``--publish ROOT`` writes a new version ``ROOT/VERSION/`` and then makes ``ROOT/current``
-name it (see :mod:`torchrec_cloud.serving.publish`), which ``serve ROOT`` follows.
+name it (see :mod:`torchrec_cloud.serving.publish`), which ``serve ROOT`` follows; with
+``--gate DATASET`` only if it scores DATASET's test split about as well as the current one::
+
+    torchrec-cloud export runs/day2/checkpoints --publish models/daily --gate data/day2
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import io
 import json
@@ -57,7 +59,6 @@ from torchrec_cloud.serving import (
     SCORER_FILE,
     WEIGHTS_FILE,
     ServingError,
-    add_command,
     saved_job_config,
 )
 from torchrec_cloud.serving.scorer import QUANTIZE, BagLogits, Scorer, Tables
@@ -468,94 +469,3 @@ def _report(config: dict[str, Any], output: str, log) -> None:
         f"(change {q['auc_change']:+.5f}), logloss {q['logloss_fp32']:.5f} -> {q['logloss']:.5f} "
         f"on {q['rows']} rows"
     )
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    summary = "export a training checkpoint to a model directory that serves (TorchScript + weights)"
-    parser = add_command(subparsers, "export", summary, __doc__, _main)
-    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint, a folder of them (its newest complete one) or a run folder")
-    parser.add_argument("--output", default=None, metavar="DIR", help="the model directory to write (folder or URL)")
-    parser.add_argument("--publish", default=None, metavar="ROOT",
-                        help="instead of --output: write a new version ROOT/VERSION/ and then point ROOT/current at it "
-                             "(what `serve ROOT` follows)")  # fmt: skip
-    parser.add_argument("--format", default=None, metavar="FORMATS",
-                        help="scorers to write, comma-separated: torchscript (scorer.pt), pt2 (scorer.pt2, torch.export "
-                             "compiled by AOTInductor) (default: both, pt2 where it builds)")  # fmt: skip
-    parser.add_argument(
-        "--quantize", choices=QUANTIZE, default="none", help="store the scoring module's tables as fp16 or row-wise int8"
-    )
-    parser.add_argument(
-        "--dataset_path", default=None,
-        help="the dataset it trained on, if moved (its transforms' digest must be the checkpoint's); "
-             "the quantization's AUC change is measured on it (default: the run's own)",
-    )  # fmt: skip
-    parser.add_argument("--eval_rows", type=int, default=1_000_000, help="validation rows to measure it on, at most")
-    parser.add_argument("--json", action="store_true", help="print the model config as one JSON object")
-    return parser
-
-
-def publish(
-    checkpoint: str,
-    root: str,
-    quantize: str = "none",
-    dataset_path: Optional[str] = None,
-    eval_rows: int = 1_000_000,
-    log=print,
-    formats=None,
-) -> dict[str, Any]:
-    """Export ``checkpoint`` as a new version under ``root`` and make it ``current``;
-    returns its model_config (``lineage.version`` names the folder). The layout of ``root``: :mod:`.publish`."""
-    from torchrec_cloud.serving.publish import CURRENT_FILE, TEMP_PREFIX, dataset_lineage, read_current, version_name
-
-    info = find_checkpoint(checkpoint)  # once: a checkpoint committed meanwhile is not mixed in
-    cfg = job_config(info)
-    version = version_name(info.step)
-    parent = read_current(root)
-    lineage = {
-        "version": version,
-        "parent": parent,
-        "checkpoint": {"path": info.path, "step": info.step},
-        "dataset": dataset_lineage(dataset_path or cfg.data.dataset_path),
-    }
-    final = storage.join(root, version)
-    local = not storage.is_url(root)
-    target = storage.join(root, TEMP_PREFIX + version) if local else final
-    storage.makedirs(root)
-    try:
-        said = (lambda line: log(line.replace(target, final))) if local else log  # the name it will have
-        config = export(info.path, target, quantize, dataset_path, eval_rows, said, formats, lineage)
-        if local:
-            os.rename(target, final)
-    except BaseException:
-        if local:
-            storage.remove(target, recursive=True)  # never left looking like a version
-        raise
-    # write_bytes replaces a local file by a rename; an object is visible once uploaded whole.
-    storage.write_bytes(storage.join(root, CURRENT_FILE), f"{version}\n".encode())
-    log(f"published {final} (parent {parent or 'none'}); {storage.join(root, CURRENT_FILE)} names it")
-    return config
-
-
-def parse_formats(value: Optional[str]) -> Optional[tuple[str, ...]]:
-    """``--format``: None (the default) or the named formats, each once."""
-    if value is None:
-        return None
-    names = [v.strip() for v in value.split(",") if v.strip()]
-    wrong = [n for n in names if n not in FORMATS]
-    if not names or wrong:
-        raise ConfigError("format", f"expected a comma-separated list of {', '.join(FORMATS)}, got {value!r}")
-    return tuple(dict.fromkeys(names))
-
-
-def _main(ns: argparse.Namespace) -> int:
-    log = (lambda line: print(line, file=sys.stderr)) if ns.json else print
-    formats = parse_formats(ns.format)
-    if (ns.output is None) == (ns.publish is None):
-        raise ConfigError("output", "give --output DIR (one model folder) or --publish ROOT (a new version), one of them")
-    if ns.publish is not None:
-        config = publish(ns.checkpoint, ns.publish, ns.quantize, ns.dataset_path, ns.eval_rows, log, formats)
-    else:
-        config = export(ns.checkpoint, ns.output, ns.quantize, ns.dataset_path, ns.eval_rows, log, formats)
-    if ns.json:
-        print(json.dumps(config))
-    return 0

@@ -12,7 +12,18 @@ lays out::
 A version's name is the UTC time it was published and its checkpoint's step: names sort in
 publishing order and two publishes never share one. The version's ``model_config.json``
 records its ``lineage``: the version, its parent (the version ``current`` named before), the
-checkpoint (path and step), and the dataset (path and the digest of its manifest) when known.
+checkpoint (path and step), the dataset (path, the digest of its manifest and of its
+vocabulary) when known, and the gate it passed.
+
+``--gate DATASET`` checks the new model before it serves (the daily loop, docs/daily.md):
+DATASET's test split is scored by the model ``current`` names and by the new one, and the new
+one is published only if its AUC is not lower by more than ``--tolerance``; else a
+:class:`GateError` (exit 1) names both AUCs and ``current`` is left as it was. The gate runs
+before anything is written under ROOT. With no ``current`` yet, the first version passes.
+
+A gated publish of the checkpoint ``current`` already serves does nothing (a daily job rerun
+after a lost pod publishes once); a version of it that was written but never named by
+``current`` (a pod lost between the two), with ``current`` still its parent, is named then.
 
 Nothing half-written is ever named by ``current``. On a local disk the version is exported
 into ``ROOT/.tmp-<version>`` and renamed into place, then ``current`` is replaced by a
@@ -22,14 +33,12 @@ its ``model_config.json`` last, and ``current`` after it. A reader (``serve ROOT
 touches the folder ``current`` named before, so a server still loading it is undisturbed.
 Two publishes to one root at the same moment both write their versions; the later rename of
 ``current`` wins, and its ``parent`` may name the version the other published.
-
-``export.publish`` exports a version and names it here; this module imports nothing of
-``export``, so the two modules' imports point one way.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 from typing import Any, Optional
 
 from torchrec_cloud import checksum, storage
@@ -82,7 +91,25 @@ def dataset_lineage(dataset_path: Optional[str]) -> Optional[dict[str, Any]]:
         digest = checksum.digest(read_capped(storage.join(dataset_path, MANIFEST), MAX_MANIFEST_BYTES))
     except (storage.StorageError, UntrustedInputError):
         digest = None  # a raw Criteo file, or a dataset since moved: the path still says which
-    return {"path": dataset_path, "manifest_digest": digest}
+    vocabulary = None
+    try:
+        from torchrec_cloud.data.dataset import is_schema_dataset, load_dataset, read_manifest
+        from torchrec_cloud.train import _vocabulary
+
+        manifest = read_manifest(dataset_path)
+        if is_schema_dataset(manifest):
+            section = _vocabulary(load_dataset(dataset_path, manifest, check_files=False))
+            vocabulary = None if section is None else {"version": section.get("version"), "digest": section.get("digest")}
+    except (ValueError, storage.StorageError, UntrustedInputError):
+        pass  # as for the digest: the path still says which
+    return {"path": dataset_path, "manifest_digest": digest, "vocabulary": vocabulary}
+
+
+DEFAULT_TOLERANCE = 0.002
+"""How much lower the new model's test AUC may be than the serving one's: about the run-to-run
+spread of a day's retraining (seeds, data order) on the test split of a day, so that noise
+alone does not hold back every other day's model, while a model that learned less (a day of
+broken data, a short run) is refused."""
 
 
 def check_version(root: str, version: str) -> None:
