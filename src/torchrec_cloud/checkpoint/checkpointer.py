@@ -101,6 +101,7 @@ from torchrec_cloud.checkpoint.store import (
     warn_skipped,
     write_owner,
 )
+from torchrec_cloud.checkpoint.grow import copy_rows, grown_tensors, growth_only, local_pieces, stand_ins
 from torchrec_cloud.compat import already_staged
 from torchrec_cloud.config import JOB_ID, ConfigError, JobConfig
 from torchrec_cloud.untrusted import shown
@@ -455,10 +456,13 @@ class Checkpointer:
         current = dataclasses.asdict(self.cfg.model)
         if saved is None or saved == current:
             return
+        # A vocabulary that grew since the checkpoint: its tables keep their rows (grow.py).
+        grew = flag == "warm_start" and growth_only(saved.get("num_embeddings_per_feature"),
+                                                    current.get("num_embeddings_per_feature"))  # fmt: skip
         diffs = ", ".join(
             f"--{k} {saved.get(k)} (saved) vs {current.get(k)} (now)"
             for k in sorted(current)
-            if saved.get(k) != current.get(k)
+            if saved.get(k) != current.get(k) and not (grew and k == "num_embeddings_per_feature")
         )
         if not diffs:  # saved by a version without some of today's fields, all at their defaults
             return
@@ -554,11 +558,18 @@ class Checkpointer:
         source = reader(info.path, info.commit, checksums=self.verifies(info))
         state = training_state(dmp, optimizer, self.env.rank)
         try:
-            load(state, storage_reader=source, planner=load_planner(info.path))
+            # Tables the dataset's vocabulary grew since the checkpoint load their saved rows.
+            grown = grown_tensors(state, source.read_metadata())
+        except ValueError as e:
+            raise ConfigError("warm_start", f"{info.path}: {e}") from None
+        into, made = stand_ins(state, grown)
+        try:
+            load(into, storage_reader=source, planner=load_planner(info.path))
         except CheckpointDamagedError as e:
             raise ConfigError("warm_start", f"{info.path} is damaged: {e.file}: {e.detail}") from e
         except (CheckpointException, Exception) as e:
             raise load_error(info.path, e) from e
+        copy_rows(state, made)
         if self.resets_rows(info):
             reset_rows(state, (self.vocabulary or {}).get("reset_rows") or {}, model_cfg, seed)
         fresh = scheduler.state_dict()
@@ -791,17 +802,6 @@ def _table_fqns(state: dict[str, Any], table: str) -> tuple[list[str], list[tupl
     return weights, found
 
 
-def _local_pieces(value: Any) -> list[tuple["torch.Tensor", tuple[int, ...]]]:
-    """This rank's pieces of a (Sharded)Tensor, each with its offsets in the whole tensor."""
-    import torch
-
-    if isinstance(value, torch.Tensor) and hasattr(value, "local_shards") and not type(value) is torch.Tensor:
-        return [(s.tensor, tuple(s.metadata.shard_offsets)) for s in value.local_shards()]
-    if isinstance(value, torch.Tensor):
-        return [(value, (0,) * value.dim())]
-    return []
-
-
 def reset_rows(state: dict[str, Any], rows_by_feature: dict[str, list[int]], model_cfg: Any, seed: int) -> int:
     """Give the ``rows_by_feature`` of each table, in this rank's pieces of ``state``, the
     weights a fresh initialisation of that table draws (uniform in the table's init range, as
@@ -827,7 +827,7 @@ def reset_rows(state: dict[str, Any], rows_by_feature: dict[str, list[int]], mod
             config.get_weight_init_min(), config.get_weight_init_max(), generator=generator)  # fmt: skip
         weights, optimizer_paths = _table_fqns(state, config.name)
         for key in weights:
-            for piece, (row0, col0) in _local_pieces(state["model"][key]):
+            for piece, (row0, col0) in local_pieces(state["model"][key]):
                 mine = (index >= row0) & (index < row0 + piece.shape[0])
                 piece[index[mine] - row0] = fresh[mine][:, col0 : col0 + piece.shape[1]].to(piece.dtype)
                 done += int(mine.sum())
@@ -835,7 +835,7 @@ def reset_rows(state: dict[str, Any], rows_by_feature: dict[str, list[int]], mod
             node: Any = state["optimizer"]
             for p in path:
                 node = node[p]
-            for piece, offsets in _local_pieces(node):
+            for piece, offsets in local_pieces(node):
                 if piece.dim() == 0:
                     continue  # a step count, not a row's state
                 row0 = offsets[0]
