@@ -205,39 +205,26 @@ def _data_facts(source: DataSource, env: Env) -> dict[str, Any]:
 
 def _vocabulary(dataset: Any) -> Optional[dict[str, Any]]:
     """The vocabulary section of a schema dataset's manifest (``version``, ``digest``,
-    ``parent``, ``ancestors``, ``reset_rows``), or None when no feature maps by vocabulary
-    (hash and modulo mappings keep every id's row by construction). A manifest written before
-    vocabularies grew has none: version 0, named by the digest of its transforms."""
+    ``parent``, ``ancestors``, ``reset_rows``: :func:`~torchrec_cloud.data.vocab.vocabulary_section`,
+    checked as untrusted input), or None when no feature maps by vocabulary (hash and modulo
+    mappings keep every id's row by construction). A section that is not as preprocessing
+    writes it stops the run in one line (``--dataset_path``) before a row is reset; a reused
+    row must be a row of its feature's table."""
+    from torchrec_cloud.data.vocab import vocabulary_section
+    from torchrec_cloud.untrusted import UntrustedInputError
+
     if not any(f.mapping == "vocab" for f in dataset.schema.sparse):
         return None
-    section = dataset.manifest.get("vocabulary")
-    if section is None:
-        return {"version": 0, "digest": dataset.digest, "parent": None, "ancestors": [], "reset_rows": {}}
-    return _checked_vocabulary(section, dataset)
-
-
-def _checked_vocabulary(section: Any, dataset: Any) -> dict[str, Any]:
-    """A manifest's vocabulary section read as untrusted input, field by field: a section
-    that is not as preprocessing writes it stops the run in one line (``--dataset_path``)
-    before a row is reset; a reused row must be a row of its feature's table."""
-    from torchrec_cloud.untrusted import Fields, UntrustedInputError, text
-
-    sizes = dict(zip((f.name for f in dataset.schema.sparse), dataset.table_sizes))
     try:
-        f = Fields(section, dataset.manifest_url, "vocabulary")
-        version, digest = f.int("version"), f.text("digest", max_len=128)
-        parent = f.text("parent", max_len=128, optional=True)
-        ancestors = [text(a, f.file, f"{f.field('ancestors')}[{i}]", 128)
-                     for i, a in enumerate(f.list("ancestors", 100_000, optional=True) or [])]  # fmt: skip
-        rows = f.obj("reset_rows", optional=True)
-        reset = {}
-        for name in (rows.data if rows is not None else {}):
-            if name not in sizes:
-                raise UntrustedInputError(f.file, rows.field(name), "is not a sparse feature of the schema")
-            reset[name] = rows.ints(name, sizes[name], lo=0, hi=sizes[name] - 1)
+        section = vocabulary_section(dataset.manifest, dataset.manifest_url)
+        sizes = dict(zip((f.name for f in dataset.schema.sparse), dataset.table_sizes))
+        for name, rows in section["reset_rows"].items():
+            if any(r >= sizes[name] for r in rows):
+                raise UntrustedInputError(dataset.manifest_url, f"vocabulary.reset_rows.{name}",
+                                          f"names a row past its table's {sizes[name]}")  # fmt: skip
     except UntrustedInputError as e:
         raise ConfigError("dataset_path", f"{e} (a damaged or altered manifest)") from None
-    return {"version": version, "digest": digest, "parent": parent, "ancestors": ancestors, "reset_rows": reset}
+    return section
 
 
 def _vocabulary_of(source: DataSource) -> Optional[dict[str, Any]]:
@@ -275,7 +262,7 @@ def _start_record(cfg: JobConfig, env: Env, trainer: Trainer, facts: dict[str, A
         record["vocabulary"] = {"version": vocabulary.get("version"), "digest": vocabulary.get("digest")}
     warm = checkpoints.warm_target if checkpoints is not None else None
     if warm is not None:
-        from torchrec_cloud.checkpoint.checkpointer import saved_vocabulary_digest
+        from torchrec_cloud.checkpoint.warm import saved_vocabulary_digest
 
         record["parent"] = {"path": warm.path, "step": warm.step, "vocabulary_digest": saved_vocabulary_digest(warm)}
     return record

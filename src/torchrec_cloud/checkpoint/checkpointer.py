@@ -101,14 +101,13 @@ from torchrec_cloud.checkpoint.store import (
     warn_skipped,
     write_owner,
 )
-from torchrec_cloud.checkpoint.grow import copy_rows, grown_tensors, growth_only, local_pieces, stand_ins
+from torchrec_cloud.checkpoint import warm
+from torchrec_cloud.checkpoint.attempts import _KEEP_ATTEMPTS, ATTEMPTS_FILE, read_attempts
+from torchrec_cloud.checkpoint.warm import check_descent, growth_only
 from torchrec_cloud.compat import already_staged
 from torchrec_cloud.config import JOB_ID, ConfigError, JobConfig
 from torchrec_cloud.untrusted import shown
 
-ATTEMPTS_FILE = "attempts.jsonl"  # beside the checkpoints: one line per start
-_KEEP_ATTEMPTS = 100
-_ATTEMPT_LINE_BYTES = 4096  # a line we write is about 100 bytes
 TEST_SAVE_DELAY_ENV = "TORCHREC_CLOUD_TEST_SAVE_DELAY_S"
 
 if TYPE_CHECKING:  # torch loads only where a command needs it: `checkpoint ls` does not
@@ -137,59 +136,6 @@ class NoProgressError(ConfigError):
     def __init__(self, message: str) -> None:
         ValueError.__init__(self, message)
         self.flag = "no_progress_restarts"
-
-
-def read_attempts(root: str) -> list[dict[str, Any]]:
-    """The starts ``root``'s ``attempts.jsonl`` records, oldest first, each checked field by field.
-
-    The file lies in the checkpoint bucket, which others may write: it is read as untrusted
-    input (at most :data:`_KEEP_ATTEMPTS` lines of :data:`_ATTEMPT_LINE_BYTES`, typed fields).
-    A line that is not a start as we write it is left out with one warning naming the file,
-    the line and the field, and the rewrite drops it: the file only counts restarts, so a
-    damaged one costs at most a few more restarts of a loop, where refusing to start (exit 2,
-    for good) would let it stop a healthy job. A file too large to be ours is ignored whole."""
-    import io
-
-    from torchrec_cloud.untrusted import Fields, UntrustedInputError, capped_lines, local_member, read_capped
-
-    def ignored(where: str, problem: str) -> None:
-        warnings.warn(f"{where}: {problem}; the restart budget (--no_progress_restarts) does without it",
-                      CheckpointWarning, stacklevel=3)  # fmt: skip
-
-    path = storage.join(root, ATTEMPTS_FILE)
-    try:
-        local_member(root, ATTEMPTS_FILE, path, "")
-        data = read_capped(path, _KEEP_ATTEMPTS * _ATTEMPT_LINE_BYTES)
-    except storage.StorageNotFoundError:
-        return []
-    except UntrustedInputError as e:
-        ignored(str(e), "not a record of starts")
-        return []
-    kept: list[dict[str, Any]] = []
-    for number, line in enumerate(capped_lines(io.BytesIO(data), _ATTEMPT_LINE_BYTES), 1):
-        where = f"{path}:{number}"
-        try:
-            if line is None:
-                raise UntrustedInputError(where, "", f"is longer than {_ATTEMPT_LINE_BYTES} bytes")
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except (ValueError, RecursionError):
-                raise UntrustedInputError(where, "", "is not a JSON object") from None
-            fields = Fields(record, where)
-            entry: dict[str, Any] = {"resumed_from": fields.int("resumed_from")}
-            entry["time"] = fields.text("time", max_len=40, optional=True)
-            entry["world_size"] = fields.int("world_size", lo=1, hi=1 << 20, optional=True)
-            job = fields.text("job", max_len=128, optional=True)
-            if job is not None and not JOB_ID.fullmatch(job):
-                raise UntrustedInputError(where, "job", f"must be a job id (--job_id), got {shown(job)}")
-            entry["job"] = job
-        except UntrustedInputError as e:
-            ignored(str(e), "line left out")
-            continue
-        kept.append({k: v for k, v in entry.items() if v is not None})
-    return kept
 
 
 def _test_save_delay() -> float:
@@ -313,7 +259,7 @@ class Checkpointer:
         if self.resume_target is None and self.ck.warm_start is not None:
             self.warm_target = _agree(env, self._find_warm_target, "warm_start")
             self._check_compatible(self.warm_target, "warm_start")
-            check_descent(self.warm_target, vocabulary)
+            check_descent(self.warm_target, vocabulary, pinned)
         elif self.resume_target is not None and self.ck.warm_start is not None and env.rank == 0:
             print(f"--checkpoint_path {self.root} holds this run's own {self.resume_target.name}: resuming it "
                   f"(--warm_start {self.ck.warm_start} was for the run's first start)", file=sys.stderr, flush=True)  # fmt: skip
@@ -442,14 +388,7 @@ class Checkpointer:
         write_owner(path, self.owner or "")
 
     def _find_warm_target(self) -> CheckpointInfo:
-        try:
-            target = resolve(self.ck.warm_start)
-        except ConfigError as e:
-            raise ConfigError("warm_start", str(e).split(": ", 1)[-1]) from None
-        problem = metadata_problem(target)
-        if problem:
-            raise ConfigError("warm_start", f"{target.path} is damaged: {problem}")
-        return target
+        return warm.find_target(self.ck.warm_start)
 
     def _check_compatible(self, info: CheckpointInfo, flag: Optional[str] = None) -> None:
         saved = (info.commit or {}).get("config", {}).get("model")
@@ -546,43 +485,15 @@ class Checkpointer:
         return os.path.realpath(info.path) == os.path.realpath(ours)
 
     def load_warm(self, dmp: torch.nn.Module, optimizer: Any, scheduler: Any, model_cfg: Any, seed: int) -> Position:
-        """Load ``warm_target``'s model and optimizer state (the tables' row-wise Adagrad state
-        included; any saved rank count, as a resume) into this new run, whose position is step
-        0 and whose learning-rate schedule starts again from this run's flags. The rows the
-        dataset reused for new ids (its vocabulary's ``reset_rows``) get fresh weights, drawn as
-        the table's own initialisation draws them, and no optimizer state."""
-        from torch.distributed.checkpoint import CheckpointException, load
-
-        info = self.warm_target
-        assert info is not None and info.commit is not None
-        source = reader(info.path, info.commit, checksums=self.verifies(info))
-        state = training_state(dmp, optimizer, self.env.rank)
-        try:
-            # Tables the dataset's vocabulary grew since the checkpoint load their saved rows.
-            grown = grown_tensors(state, source.read_metadata())
-        except ValueError as e:
-            raise ConfigError("warm_start", f"{info.path}: {e}") from None
-        into, made = stand_ins(state, grown)
-        try:
-            load(into, storage_reader=source, planner=load_planner(info.path))
-        except CheckpointDamagedError as e:
-            raise ConfigError("warm_start", f"{info.path} is damaged: {e.file}: {e.detail}") from e
-        except (CheckpointException, Exception) as e:
-            raise load_error(info.path, e) from e
-        copy_rows(state, made)
-        if self.resets_rows(info):
-            reset_rows(state, (self.vocabulary or {}).get("reset_rows") or {}, model_cfg, seed)
-        fresh = scheduler.state_dict()
-        dmp.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(fresh)  # the saved param groups' rates give way to this run's schedule
+        """Load ``warm_target`` into this new run (:func:`.warm.load`): its position is step 0."""
+        assert self.warm_target is not None
+        warm.load(self.warm_target, self.verifies(self.warm_target), self.vocabulary, dmp, optimizer, scheduler,
+                  model_cfg, seed, self.env.rank)  # fmt: skip
         return Position()
 
     def resets_rows(self, info: CheckpointInfo) -> bool:
-        """Whether this run's dataset reused rows since ``info``'s vocabulary (its own is not
-        the checkpoint's)."""
-        saved = saved_vocabulary_digest(info)
-        return self.vocabulary is not None and saved != self.vocabulary.get("digest")
+        """Whether this run's dataset reused rows since ``info``'s vocabulary (:func:`.warm.resets_rows`)."""
+        return warm.resets_rows(info, self.vocabulary)
 
     # -- save
 
@@ -748,100 +659,6 @@ class Checkpointer:
                 "world_size": self.env.world_size,
             }
         )
-
-
-VOCABULARY = "vocabulary"
-"""The key of the vocabulary a checkpoint trained with (``{"version", "digest"}``) in its
-COMMIT.json: what ``--warm_start`` checks the next dataset's lineage against."""
-
-
-def saved_vocabulary_digest(info: CheckpointInfo) -> Optional[str]:
-    """The digest of the vocabulary ``info`` trained with: its COMMIT.json's ``vocabulary``,
-    or, for a checkpoint saved before that was recorded, the digest of its pinned transforms
-    (what an old manifest's vocabulary version 0 is named by); None when it records neither."""
-    commit = info.commit or {}
-    for found in ((commit.get(VOCABULARY) or {}), (commit.get("pinned_transforms") or {})):
-        if isinstance(found, dict) and isinstance(found.get("digest"), str):
-            return found["digest"]
-    return None
-
-
-def check_descent(info: CheckpointInfo, vocabulary: Optional[dict[str, Any]]) -> None:
-    """A ConfigError (--warm_start) unless the dataset's ``vocabulary`` descends from the one
-    ``info`` trained with: the same digest, or one of its ancestors. Data without vocabularies
-    (hash or modulo mappings only, Criteo) keeps every id's row by construction: the model
-    check (the same features and table sizes) is all it needs."""
-    if vocabulary is None:
-        return
-    saved = saved_vocabulary_digest(info)
-    mine = vocabulary.get("digest")
-    ancestors = [a for a in vocabulary.get("ancestors") or [] if isinstance(a, str)]
-    if saved is not None and (saved == mine or saved in ancestors):
-        return
-    theirs = f"vocabulary {str(saved)[:16]}" if saved is not None else "no recorded vocabulary"
-    raise ConfigError("warm_start", f"{info.path} was trained on {theirs}; this dataset's vocabulary "
-                      f"{str(mine)[:16]} (version {vocabulary.get('version')}) does not descend from it (not it, nor "
-                      f"any of its {len(ancestors)} ancestors): its ids would reach other rows. Preprocess the day "
-                      "with --vocab_from the dataset that checkpoint trained on, or train cold")  # fmt: skip
-
-
-def _table_fqns(state: dict[str, Any], table: str) -> tuple[list[str], list[tuple[str, ...]]]:
-    """The model keys of ``table``'s weight and the optimizer-state paths of its row-wise state
-    in a training state (``dcp.training_state``)."""
-    weights = [k for k in state["model"] if k.endswith(f".{table}.weight")]
-    found: list[tuple[str, ...]] = []
-
-    def walk(node: Any, path: tuple[str, ...]) -> None:
-        if isinstance(node, dict):
-            for k, v in node.items():
-                walk(v, (*path, str(k)))
-        elif any(f".{table}." in p or p.startswith(f"{table}.") for p in path):
-            found.append(path)
-
-    walk(state["optimizer"].get("state", {}), ("state",))
-    return weights, found
-
-
-def reset_rows(state: dict[str, Any], rows_by_feature: dict[str, list[int]], model_cfg: Any, seed: int) -> int:
-    """Give the ``rows_by_feature`` of each table, in this rank's pieces of ``state``, the
-    weights a fresh initialisation of that table draws (uniform in the table's init range, as
-    torchrec 1.8 ``BatchedFusedEmbeddingBag.init_parameters`` draws them from
-    ``EmbeddingBagConfig.get_weight_init_min/max``), and zero row-wise optimizer state. The
-    fresh rows come from one generator per table seeded by ``seed`` and the table's name, so
-    every rank, whatever its shard, draws the same rows. Returns the rows reset here."""
-    import zlib
-
-    import torch
-
-    from torchrec_cloud.model import table_configs
-
-    configs = {c.feature_names[0]: c for c in table_configs(model_cfg)}
-    done = 0
-    for feature, rows in sorted(rows_by_feature.items()):
-        config = configs.get(feature)
-        if config is None or not rows:
-            continue
-        index = torch.tensor(sorted({int(r) for r in rows if 0 <= int(r) < config.num_embeddings}), dtype=torch.long)
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(config.name.encode()))
-        fresh = torch.empty(len(index), config.embedding_dim).uniform_(
-            config.get_weight_init_min(), config.get_weight_init_max(), generator=generator)  # fmt: skip
-        weights, optimizer_paths = _table_fqns(state, config.name)
-        for key in weights:
-            for piece, (row0, col0) in local_pieces(state["model"][key]):
-                mine = (index >= row0) & (index < row0 + piece.shape[0])
-                piece[index[mine] - row0] = fresh[mine][:, col0 : col0 + piece.shape[1]].to(piece.dtype)
-                done += int(mine.sum())
-        for path in optimizer_paths:
-            node: Any = state["optimizer"]
-            for p in path:
-                node = node[p]
-            for piece, offsets in local_pieces(node):
-                if piece.dim() == 0:
-                    continue  # a step count, not a row's state
-                row0 = offsets[0]
-                mine = (index >= row0) & (index < row0 + piece.shape[0])
-                piece[index[mine] - row0] = 0
-    return done
 
 
 def _checksums(path: str, files: dict[str, int], written: dict[str, Optional[list[str]]]) -> dict[str, Any]:

@@ -93,13 +93,13 @@ def dataset_lineage(dataset_path: Optional[str]) -> Optional[dict[str, Any]]:
         digest = None  # a raw Criteo file, or a dataset since moved: the path still says which
     vocabulary = None
     try:
-        from torchrec_cloud.data.dataset import is_schema_dataset, load_dataset, read_manifest
-        from torchrec_cloud.train import _vocabulary
+        from torchrec_cloud.data.dataset import is_schema_dataset, read_manifest
+        from torchrec_cloud.data.vocab import vocabulary_section
 
         manifest = read_manifest(dataset_path)
         if is_schema_dataset(manifest):
-            section = _vocabulary(load_dataset(dataset_path, manifest, check_files=False))
-            vocabulary = None if section is None else {"version": section.get("version"), "digest": section.get("digest")}
+            section = vocabulary_section(manifest, storage.join(dataset_path, MANIFEST))
+            vocabulary = {"version": section["version"], "digest": section["digest"]}
     except (ValueError, storage.StorageError, UntrustedInputError):
         pass  # as for the digest: the path still says which
     return {"path": dataset_path, "manifest_digest": digest, "vocabulary": vocabulary}
