@@ -265,8 +265,8 @@ def ours(work: Path, d: dict, args: argparse.Namespace, schema: str = "", inputs
     work.mkdir(parents=True, exist_ok=True)
     (work / "schema.yaml").write_text(schema or d["schema"])
     out = work / "shards"
-    assert main(["data", "preprocess", "--no_progress", "--schema", str(work / "schema.yaml"), "--input", *(inputs or d["inputs"]),
-                 "--output", str(out), *d["split"]]) == 0  # fmt: skip
+    assert main(["data", "preprocess", "--no_progress", "--schema", str(work / "schema.yaml"),
+                 "--input", *(inputs or d["inputs"]), "--output", str(out), *d["split"]]) == 0  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "torchrec_cloud", "train", "--dataset_path", str(out), "--batch_size", str(args.batch_size),
            "--num_epochs", str(args.epochs), "--learning_rate", str(args.learning_rate), "--embedding_dim", "16",
@@ -305,8 +305,9 @@ def logistic_on_buckets(d: dict, boundaries: dict) -> dict:
         codes.append(ids + width)
         width += int(ids.max()) + 1
     x = torch.zeros(t.num_rows, width).scatter_(1, torch.from_numpy(np.stack(codes, 1)), 1.0)
-    split = t.column(d["split_column"]).to_numpy()
-    parts = {"train": split < d["val_from"], "val": (split >= d["val_from"]) & (split < d["test_from"]), "test": split >= d["test_from"]}
+    split = t.column(d["split_column"]).to_numpy()  # an integer day (the steps data)
+    parts = {"train": split < d["val_from"], "val": (split >= d["val_from"]) & (split < d["test_from"]),
+             "test": split >= d["test_from"]}  # fmt: skip
     parts = {k: torch.from_numpy(np.flatnonzero(v)) for k, v in parts.items()}
     target = torch.tensor(y, dtype=torch.float32)
     best = None
