@@ -6,6 +6,8 @@
         --output s3://bucket/events-shards --split_by ts --val_from 2024-03-01 --test_from 2024-03-15
     torchrec-cloud data preprocess --format kaggle --input train.txt --output /data/kaggle \
         --num_embeddings 10000000                                                # Criteo, the built-in schema
+    torchrec-cloud data preprocess --schema schema.yaml --input day_8.parquet --vocab_from /data/day_7 \
+        --output /data/day_8                                                     # ids keep yesterday's rows
     torchrec-cloud data verify s3://bucket/criteo-1tb      # exit 1 naming a damaged shard
 
 Many machines: ``--shares N --share_index I`` (or a Kubernetes Indexed Job's
@@ -27,7 +29,7 @@ from torchrec_cloud.data.criteo_format import CAT_FEATURES
 from torchrec_cloud.progress import Progress, plural
 
 CRITEO_ONLY = ("num_embeddings", "num_embeddings_per_feature", "chunk_mb")
-SCHEMA_ONLY = ("split_by", "val_from", "test_from", "shares", "share_index", "max_list_length", "max_id_bytes")
+SCHEMA_ONLY = ("split_by", "val_from", "test_from", "shares", "share_index", "max_list_length", "max_id_bytes", "vocab_from")
 
 
 def _sizes(ns: argparse.Namespace) -> Optional[list[int]]:
@@ -99,7 +101,7 @@ def _preprocess_schema(ns: argparse.Namespace) -> int:
     schema = load_schema(ns.schema)
     split = split_from_flags(schema, ns.split_by, ns.val_from, ns.test_from)
     inputs = expand(list(ns.input))
-    opts = own.Options(schema, inputs, ns.output, split, ns.on_bad_line, ns.rows_per_shard or 500_000, caps)
+    opts = own.Options(schema, inputs, ns.output, split, ns.on_bad_line, ns.rows_per_shard or 500_000, caps, ns.vocab_from)
     progress = Progress("preprocess", "rows", enabled=not ns.no_progress)
     result = own.preprocess(opts, workers=ns.workers or (os.cpu_count() or 1), share=share, wait_s=ns.wait_s,
                             progress=progress)  # fmt: skip
@@ -115,6 +117,11 @@ def _preprocess_schema(ns: argparse.Namespace) -> int:
         return 0
     rows = {k: sum(e - s for _, s, e in v) for k, v in m["splits"].items()}
     rate = m["rows"] / result.seconds if result.seconds > 0 else float("nan")
+    grown = m.get("vocabulary") or {}
+    if grown.get("version"):
+        reset = sum(len(r) for r in grown["reset_rows"].values())
+        print(f"vocabulary version {grown['version']} (from {ns.vocab_from}): {plural(reset, 'row')} given to new ids "
+              "in place of evicted ones")  # fmt: skip
     print(f"wrote {m['rows']} rows in {len(m['shards'])} shards to {ns.output} ({result.seconds:.1f}s, {rate:,.0f} rows/s; "
           f"train {rows['train']}, val {rows['val']}, test {rows['test']}); tables: "
           + ", ".join(f"{n} {s}" for n, s in zip(m["features"]["sparse"], m["transforms"]["table_sizes"])))  # fmt: skip
@@ -210,6 +217,10 @@ def cmd_verify(ns: argparse.Namespace) -> int:
             ds = load_dataset(ns.path, raw, check_files=False)
             report = verify_files(ns.path, ds.shards)
             vocab_problems = check_vocabularies(ns.path, ds.vocab_files, ds.manifest_url)
+            if not vocab_problems:  # each counts file is checked against its vocabulary's ids
+                from torchrec_cloud.data.vocab import check_counts
+
+                vocab_problems = check_counts(ns.path, raw)
             vocabularies = f" and {counted(len(ds.vocab_files), 'vocabulary file')}" if ds.vocab_files else ""
         else:
             report = verify_shards(ns.path, load_manifest(ns.path))
@@ -272,6 +283,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "COLUMN as a fraction (default: the schema's split, else 80/10/10 by row)")  # fmt: skip
     p.add_argument("--val_from", default=None, metavar="V", help="--schema: where validation starts (a value, a date, a file, a fraction)")
     p.add_argument("--test_from", default=None, metavar="T", help="--schema: where test starts")
+    p.add_argument("--vocab_from", default=None, metavar="DATASET",
+                   help="--schema: yesterday's dataset (a folder or URL data preprocess wrote): its ids keep their rows, "
+                        "new ones are admitted by min_count and take free or evicted rows (docs/daily.md)")  # fmt: skip
     p.add_argument("--shares", type=int, default=None, metavar="N",
                    help="--schema: the inputs are converted by N runs (machines, pods); this run does one share")
     p.add_argument("--share_index", type=int, default=None, metavar="I",

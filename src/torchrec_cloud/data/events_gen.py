@@ -10,12 +10,26 @@ Columns: ``ts`` (seconds), ``user`` (string, power law over users), ``item`` (in
 ``views`` (int), ``clicked`` (0/1). The label is drawn from a logistic model of the user, the
 item, the mean of the tags' weights, the recent items, log(price) and views, so the
 Bayes-optimal AUC of each day is known exactly (:func:`bayes_auc`).
+
+A world that drifts from day to day (``drift=Drift(...)``; the default draws the same rows as
+without it), for the daily loop (bench/daily_bench.py, docs/daily.md)::
+
+    write_events("events/", days=7, drift=Drift(new_items=40, popularity_shift=0.1, user_churn=0.1))
+
+- ``new_items``: each day that many items appear (ids after the last one) and take the top
+  of the popularity ranking, pushing older items down;
+- ``popularity_shift``: each day the older items' ranking rotates by this fraction of them;
+- ``user_churn``: each day about this fraction of the user slots gets a new user (a new id,
+  ``u0042-3``, with a weight of its own), the one before never seen again.
+Each new item and user has its own weight, so the model must learn them as they come; the
+click probability of every row is still known, and so the Bayes AUC of each day.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import numpy as np
 
@@ -43,21 +57,71 @@ def _weights(seed: int) -> dict[str, np.ndarray]:
             "recent": g.normal(0, 0.6, ITEMS)}  # fmt: skip
 
 
-def generate(rows: int, day: int, seed: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Drift:
+    """How the world changes from one day to the next (module docstring); zeros: it does not."""
+
+    new_items: int = 0
+    popularity_shift: float = 0.0
+    user_churn: float = 0.0
+
+    def __bool__(self) -> bool:
+        return bool(self.new_items or self.popularity_shift or self.user_churn)
+
+
+def _drifted(seed: int, day: int, drift: Drift, w: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Day ``day``'s items by popularity rank (newest first), every item's weight and recent
+    weight so far (the first ``ITEMS`` are the still world's)."""
+    total = ITEMS + drift.new_items * day
+    g = np.random.default_rng([seed, 8])
+    extra = g.normal(0, 0.9, (2, drift.new_items * day))
+    item_w = np.concatenate((w["item"], extra[0]))
+    recent_w = np.concatenate((w["recent"], extra[1] * 0.6 / 0.9))
+    newest = np.arange(total - 1, ITEMS - 1, -1)  # today's new items, then yesterday's, ...
+    shift = int(round(drift.popularity_shift * ITEMS * day)) % ITEMS
+    older = np.roll(np.arange(ITEMS), -shift)
+    return np.concatenate((newest, older)), item_w, recent_w
+
+
+def _users(seed: int, day: int, drift: Drift, slot: np.ndarray, w: dict[str, np.ndarray]) -> tuple[list[str], np.ndarray]:
+    """The user of each slot on day ``day`` (a slot's occupant changes about ``user_churn`` of
+    the days, at a phase of its own) and their weights."""
+    phase = np.random.default_rng([seed, 9]).random(USERS)
+    gen = np.floor(day * drift.user_churn + phase).astype(np.int64) - np.floor(phase).astype(np.int64)
+    weights = w["user"][slot].copy()
+    for k in np.unique(gen[slot]):
+        if k:
+            mine = gen[slot] == k
+            weights[mine] = np.random.default_rng([seed, 10, int(k)]).normal(0, 0.9, USERS)[slot[mine]]
+    names = [f"u{u:04d}" if not k else f"u{u:04d}-{k}" for u, k in zip(slot, gen[slot])]
+    return names, weights
+
+
+def generate(rows: int, day: int, seed: int, drift: Optional[Drift] = None) -> dict[str, Any]:
     """One day of events as columns (numpy and lists), with each row's click probability."""
     w = _weights(seed)
     g = np.random.default_rng([seed, day])
     user = (g.random(rows) ** 2.5 * USERS).astype(np.int64)
-    item = (g.random(rows) ** 2.0 * ITEMS).astype(np.int64)
+    item_u = g.random(rows) ** 2.0
     n_tags = g.integers(0, 5, rows)
     tags = [list(g.choice(TAGS, size=k, replace=False)) for k in n_tags]
     n_recent = g.integers(0, 6, rows)
-    recent = [list((g.random(k) ** 2.0 * ITEMS).astype(np.int64)) for k in n_recent]
+    recent_u = [g.random(k) ** 2.0 for k in n_recent]
     price = np.exp(g.normal(3.0, 1.0, rows))
     views = g.poisson(3.0, rows)
-    logit = (-0.8 + w["user"][user] + w["item"][item]
+    if drift:
+        ranked, item_w, recent_w = _drifted(seed, day, drift, w)
+        item = ranked[(item_u * len(ranked)).astype(np.int64)]
+        recent = [ranked[(u * len(ranked)).astype(np.int64)] for u in recent_u]
+        names, user_w = _users(seed, day, drift, user, w)
+    else:
+        item_w, recent_w = w["item"], w["recent"]
+        item = (item_u * ITEMS).astype(np.int64)
+        recent = [(u * ITEMS).astype(np.int64) for u in recent_u]
+        names, user_w = [f"u{u:04d}" for u in user], w["user"][user]
+    logit = (-0.8 + user_w + item_w[item]
              + np.array([w["tag"][t].mean() if len(t) else 0.0 for t in tags])
-             + np.array([w["recent"][r].sum() / 2 for r in recent])
+             + np.array([recent_w[r].sum() / 2 for r in recent])
              - 0.5 * (np.log1p(price) - 3.0) + 0.25 * (views - 3.0))  # fmt: skip
     p = 1 / (1 + np.exp(-logit))
     clicked = (g.random(rows) < p).astype(np.int64)
@@ -65,7 +129,7 @@ def generate(rows: int, day: int, seed: int) -> dict[str, Any]:
     ts = START + day * DAY_S + np.sort(g.integers(0, DAY_S, rows))
     return {
         "ts": ts,
-        "user": [f"u{u:04d}" for u in user],
+        "user": names,
         "item": item,
         "tags": [[f"t{t}" for t in ts_] for ts_ in tags],
         "recent": [[int(x) for x in r] for r in recent],
@@ -115,7 +179,8 @@ def write_csv(path: str, cols: dict[str, Any]) -> None:
                     f"{'|'.join(map(str, cols['recent'][i]))},{price},{cols['views'][i]},{cols['clicked'][i]}\n")  # fmt: skip
 
 
-def write_events(folder: str, days: int = 4, rows_per_day: int = 5000, seed: int = 0, fmt: str = "parquet") -> dict[str, Any]:
+def write_events(folder: str, days: int = 4, rows_per_day: int = 5000, seed: int = 0, fmt: str = "parquet",
+                 drift: Optional[Drift] = None) -> dict[str, Any]:  # fmt: skip
     """``day_K.parquet`` (or ``.csv``) for K < ``days``; returns the files, the day
     boundaries as timestamps and the Bayes-optimal AUC of each day."""
     import pyarrow.parquet as pq
@@ -123,7 +188,7 @@ def write_events(folder: str, days: int = 4, rows_per_day: int = 5000, seed: int
     os.makedirs(folder, exist_ok=True)
     files, aucs = [], []
     for day in range(days):
-        cols = generate(rows_per_day, day, seed)
+        cols = generate(rows_per_day, day, seed, drift)
         path = os.path.join(folder, f"day_{day}.{fmt}")
         if fmt == "parquet":
             pq.write_table(table_of(cols), path, row_group_size=max(1, rows_per_day // 3))

@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from torchrec_cloud import checksum, storage
+from torchrec_cloud.data import vocab
 from torchrec_cloud.data.criteo_parse import PreprocessError
 from torchrec_cloud.data.dataset import (
     FORMAT_NAME,
@@ -81,6 +82,8 @@ class Options:
     on_bad_line: str = "error"
     rows_per_shard: int = 500_000
     caps: Caps = Caps()
+    vocab_from: Optional[str] = None
+    """A dataset this command wrote: its ids keep their rows (:mod:`~torchrec_cloud.data.vocab`)."""
 
     def input(self, source: int) -> Input:
         """Input ``source``, read with the caps, the split's column checked."""
@@ -94,6 +97,8 @@ class Options:
         plan = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "schema": self.schema.to_dict(),
                 "inputs": self.inputs, "split": asdict(self.split) if self.split else None,
                 "rows_per_shard": self.rows_per_shard}  # fmt: skip
+        if self.vocab_from is not None:  # only when given: plans written before the flag stay equal
+            plan["vocab_from"] = self.vocab_from
         return json.loads(json.dumps(plan))
 
     def needs_counts(self) -> bool:
@@ -259,11 +264,12 @@ def _merge_moments(a: list, b: list) -> list:
     return [n, a[1] + delta * b[0] / n, a[2] + b[2] + delta * delta * a[0] * b[0] / n]
 
 
-def merge_counts(opts: Options) -> tuple[dict[str, list], dict[str, dict[str, float]], dict[str, list[float]]]:
-    """Every input's counts merged, in input order: the vocabularies (ids seen at least
-    ``min_count`` times in training rows, most frequent first, ties by id, at most
-    ``num_embeddings - 1``), the dense statistics and the bucketized features' boundaries.
-    The same on every share."""
+def merge_counts(opts: Options, previous: Optional[vocab.Previous] = None) -> tuple[vocab.Grown, dict[str, dict[str, float]],
+                                                                                  dict[str, list[float]]]:  # fmt: skip
+    """Every input's counts merged, in input order: the vocabularies (:func:`~torchrec_cloud.data.vocab.grow`:
+    without ``previous``, ids seen at least ``min_count`` times in training rows, most frequent
+    first, ties by id, at most ``num_embeddings - 1``), the dense statistics and the bucketized
+    features' boundaries. The same on every share."""
     schema = opts.schema
     summaries = {f.name: Summary() for f in schema.sparse if f.mapping == "bucketize"}
     totals: dict[str, dict] = {f.name: {} for f in schema.sparse if f.mapping == "vocab"}
@@ -297,20 +303,14 @@ def merge_counts(opts: Options) -> tuple[dict[str, list], dict[str, dict[str, fl
             for name, summary in summaries.items():
                 values, weights = _summary(got.obj(name), summary.points)
                 summary.merge(values, weights)
-    vocabularies = {}
-    for f in schema.sparse:
-        if f.mapping != "vocab":
-            continue
-        kept = [(c, v) for v, c in totals[f.name].items() if c >= f.min_count]
-        kept.sort(key=lambda cv: (-cv[0], cv[1]))
-        vocabularies[f.name] = [v for _, v in kept[: f.num_embeddings - 1]]
+    grown = vocab.grow(schema, totals, previous)
     stats = {}
     for name, (n, mean, m2) in moments.items():
         std = float(np.sqrt(m2 / n)) if n else 1.0
         stats[name] = {"mean": float(mean), "std": std if std > 0 else 1.0, "count": int(n)}
     bounds = {f.name: boundaries(summaries[f.name].values, summaries[f.name].weights, f.num_embeddings - 1)
               for f in schema.sparse if f.mapping == "bucketize"}  # fmt: skip
-    return vocabularies, stats, bounds
+    return grown, stats, bounds
 
 
 def _summary(e: Fields, points: int) -> tuple[list[float], list[int]]:
@@ -400,7 +400,8 @@ def _entry(opts: Options, t: Transforms, e: Fields) -> dict:
 # The manifest, from every input's record.
 
 
-def write_manifest(opts: Options, transforms: Transforms, vocab_entries: dict, stats: dict) -> Optional[dict]:
+def write_manifest(opts: Options, transforms: Transforms, vocab_entries: dict, stats: dict,
+                   vocabulary: Optional[dict] = None) -> Optional[dict]:  # fmt: skip
     """The manifest, written once every input is converted (None while some are not)."""
     docs = []
     for source in range(len(opts.inputs)):
@@ -452,6 +453,7 @@ def write_manifest(opts: Options, transforms: Transforms, vocab_entries: dict, s
         "sources": sources,
         "shards": shards,
         "splits": splits,
+        vocab.SECTION: vocabulary,
     }
     if manifest["rows"] == 0:
         raise PreprocessError("no rows were converted: every row was skipped as bad")
@@ -548,6 +550,8 @@ def preprocess(opts: Options, workers: int = 1, share: Optional[tuple[int, int]]
     t0 = time.perf_counter()
     progress = progress or Progress("preprocess", "rows", enabled=False)
     opts = dataclasses.replace(opts, split=_checked_split(opts))
+    # PREV is checked before anything is written: a refused one leaves no run to resume.
+    previous = vocab.load_previous(opts.vocab_from, opts.schema) if opts.vocab_from is not None else None
     done = _prepare(opts)
     if done is not None:
         return Result(done, time.perf_counter() - t0, True)
@@ -559,13 +563,15 @@ def preprocess(opts: Options, workers: int = 1, share: Optional[tuple[int, int]]
         checked = opts.input(s)
         checked.check_columns()
         checked.check_types()
-    vocabularies: dict[str, list] = {}
     stats: dict[str, dict] = {}
     bounds: dict[str, list[float]] = {}
     if opts.needs_counts():
         _run(count_input, opts, mine, (), workers, progress)
         _wait_for_counts(opts, wait_s if share is not None else 0.0)
-        vocabularies, stats, bounds = merge_counts(opts)
+        grown, stats, bounds = merge_counts(opts, previous)
+    else:  # no vocabulary: the lineage only
+        grown = vocab.grow(opts.schema, {}, previous)
+    vocabularies = grown.vocabularies
     vocab_entries = {}
     for name, values in vocabularies.items():
         data = _vocab_bytes(name, values)
@@ -578,5 +584,7 @@ def preprocess(opts: Options, workers: int = 1, share: Optional[tuple[int, int]]
     todo = [s for s in mine if not storage.exists(_url(opts, SOURCES_DIR, stem(opts, s) + ".json"))]
     _run(convert_input, opts, todo, (transforms,), workers, progress)
     progress.close()
-    manifest = write_manifest(opts, transforms, vocab_entries, stats)
+    counts = vocab.write_counts(opts.output, grown)
+    section = vocab.section(opts.schema, {"vocab": vocab_entries}, grown, counts, previous)
+    manifest = write_manifest(opts, transforms, vocab_entries, stats, section)
     return Result(manifest, time.perf_counter() - t0, False, len(todo))

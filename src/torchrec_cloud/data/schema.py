@@ -9,7 +9,7 @@ what ``torchrec-cloud data schema --input URL`` proposes, :mod:`~torchrec_cloud.
       - {name: age, transform: standardize}
       - {name: amount, transform: bucketize, buckets: 32, keep_dense: true}
     sparse:
-      - {name: user_id, type: string, mapping: vocab, num_embeddings: 100000, min_count: 2}
+      - {name: user_id, type: string, mapping: vocab, num_embeddings: 100000, min_count: 2, evict_after: 30}
       - {name: item_id, type: int, mapping: hash, num_embeddings: 50000}
       - {name: tags, type: string, list: true, mapping: vocab, num_embeddings: 1000, pooling: mean}
     split: {by: ts, val_from: "2024-03-01", test_from: "2024-03-15"}
@@ -82,6 +82,10 @@ class Sparse:
     """Between a list's ids in one CSV cell or string column."""
     max_length: Optional[int] = None
     """Keep the first this many ids of a list (None: all)."""
+    evict_after: Optional[int] = None
+    """``vocab`` with ``data preprocess --vocab_from``: a full table first evicts ids unseen for
+    this many generations (one ``--vocab_from`` step each; None: the least counted only;
+    :mod:`~torchrec_cloud.data.vocab`)."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,9 @@ class Schema:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        for f in d["sparse"]:  # unset, it is left out: the digests of schemas written before it stay the same
+            if f["evict_after"] is None:
+                del f["evict_after"]
         d["format"] = FORMAT
         d["columns"] = list(self.columns) if self.columns is not None else None
         return d
@@ -221,7 +228,7 @@ def parse_schema(raw: Any, where: str) -> Schema:
     for i, raw_item in enumerate(_or(d, "sparse", [], lambda k: d.list(k, 4096))):
         item = d.at(f"sparse[{i}]", raw_item)
         _keys(item, {"name", "column", "type", "list", "mapping", "num_embeddings", "min_count", "pooling", "separator",
-                     "max_length"})  # fmt: skip
+                     "max_length", "evict_after"})  # fmt: skip
         n = _ident(item, "name")
         mapping = _or(item, "mapping", "hash", lambda k: item.text(k, choices=MAPPINGS))
         numeric = mapping == "bucketize"
@@ -232,6 +239,8 @@ def parse_schema(raw: Any, where: str) -> Schema:
             raise UntrustedInputError(where, item.field("mapping"), "modulo needs integer ids (type: int); use hash or vocab")
         if numeric and is_list:
             raise UntrustedInputError(where, item.field("list"), "bucketize reads one number per row, not a list")
+        if item.has("evict_after") and mapping != "vocab":
+            raise UntrustedInputError(where, item.field("evict_after"), "applies to mapping: vocab only (other mappings keep no ids)")
         sparse.append(Sparse(
             n, _or(item, "column", n, lambda k: item.text(k, 200)), kind, is_list, mapping,
             item.int("num_embeddings", lo=3 if numeric else 2 if mapping == "vocab" else 1,
@@ -240,6 +249,7 @@ def parse_schema(raw: Any, where: str) -> Schema:
             _or(item, "pooling", "sum", lambda k: item.text(k, choices=POOLINGS)),
             _or(item, "separator", "|", lambda k: item.text(k, 8)),
             item.int("max_length", lo=1, hi=1 << 20, optional=True),
+            item.int("evict_after", lo=1, hi=1 << 20, optional=True),
         ))  # fmt: skip
     sparse += bucketized  # a bucketized dense feature's table comes after the id features
     if not dense:
