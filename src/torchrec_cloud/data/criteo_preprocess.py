@@ -5,7 +5,7 @@ how its splits are cut).
 Turns the Criteo Kaggle ``train.txt`` or the Criteo 1TB day files (``day_0`` .. ``day_23``,
 plain or ``.gz``) into fixed-width binary shards plus a ``manifest.json`` of the one dataset
 format (``torchrec-cloud-shards``, its ``schema`` the built-in ``criteo``) that the trainer
-reads with ``--dataset_path`` (see :mod:`torchrec_cloud.data.criteo_reader` and docs/data.md)::
+reads with ``--dataset_path`` (see :mod:`torchrec_cloud.data.reader` and docs/data.md)::
 
     torchrec-cloud data preprocess --format kaggle --input train.txt --output /data/kaggle \\
         --num_embeddings 10000000
