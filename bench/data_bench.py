@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO / "src"))
 
 from torchrec_cloud.data import criteo_preprocess  # noqa: E402
 from torchrec_cloud.data.criteo_gen import write_criteo_tsv  # noqa: E402
-from torchrec_cloud.data.criteo_reader import CriteoSource  # noqa: E402
+from torchrec_cloud.data.reader import criteo_source  # noqa: E402
 
 
 def timed(fn) -> float:
@@ -63,7 +63,7 @@ def torchrec_npy(tsv: Path, tmp: Path) -> float:
 
 
 def reader(path: Path, batch_size: int, shuffle: bool) -> float:
-    src = CriteoSource(str(path), batch_size=batch_size, rank=0, world_size=1,
+    src = criteo_source(str(path), batch_size=batch_size, rank=0, world_size=1,
                        table_sizes=[100000] * 26, shuffle=shuffle)
     n = 0
     t = time.perf_counter()

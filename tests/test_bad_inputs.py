@@ -153,6 +153,27 @@ def test_preprocessing_again_over_damaged_records(dataset, tmp_path, capsys, rec
                           "--chunk_mb", "0.1", "--workers", "1"], f"{folder / record} is damaged")  # fmt: skip
 
 
+@pytest.mark.parametrize("damage", ["_plan.json", "manifest.json", "settings"])
+def test_a_schemas_preprocessing_again_is_checked_as_criteos(tmp_path, capsys, damage):
+    """Both input formats' runs start from the same plan check: a damaged record or other
+    settings over a finished run get the same one line as Criteo's."""
+    from torchrec_cloud.data.events_gen import SCHEMA, write_events
+
+    write_events(str(tmp_path / "events"), days=1, rows_per_day=300, seed=1)
+    (tmp_path / "schema.yaml").write_text(SCHEMA)
+    folder = tmp_path / "out"
+    argv = ["data", "preprocess", "--no_progress", "--workers", "1", "--schema", str(tmp_path / "schema.yaml"),
+            "--input", str(tmp_path / "events"), "--output", str(folder)]  # fmt: skip
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    if damage == "settings":
+        cli_error(capsys, 1, [*argv, "--rows_per_shard", "7"], "holds a preprocessing run with different settings",
+                  "rows_per_shard")  # fmt: skip
+    else:
+        (folder / damage).write_bytes(b'{"format": ')
+        cli_error(capsys, 1, argv, f"{folder / damage} is damaged")
+
+
 def test_bad_preprocessing_inputs(tmp_path, capsys):
     good = tmp_path / "train.txt"
     write_criteo_tsv(str(good), rows=300, seed=1)

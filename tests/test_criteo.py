@@ -20,7 +20,7 @@ from torchrec_cloud.config import ConfigError, parse_job_config
 from torchrec_cloud.progress import plural
 from torchrec_cloud.data.criteo_format import record_dtype
 from torchrec_cloud.data.criteo_gen import format_lines, generate, write_criteo_tsv
-from torchrec_cloud.data.criteo_reader import CriteoSource, build_criteo_source
+from torchrec_cloud.data.reader import build_criteo_source, criteo_source
 from torchrec_cloud.data.multihot import expand_multi_hot
 
 SIZES = [97, 1000, 5, 20000, 333] + [1000] * 21
@@ -82,7 +82,7 @@ def test_kaggle_matches_torchrec_preprocessing(tmp_path, capsys):
     # What training reads is TorchRec's preprocessing of the same lines, row by row: the
     # labels, the dense features after the transform (bit for bit), the ids (modulo the tables).
     dense, sparse, labels = torchrec_npys(tsv, tmp_path)
-    src = CriteoSource(str(out), batch_size=100, rank=0, world_size=1, table_sizes=SIZES)
+    src = criteo_source(str(out), batch_size=100, rank=0, world_size=1, table_sizes=SIZES)
     got_labels, got_dense, got_ids = read_all(src)
     np.testing.assert_array_equal(got_labels, labels[:, 0])
     np.testing.assert_array_equal(got_dense, dense)
@@ -130,7 +130,7 @@ def test_terabyte_gzip_days_match_torchrec(tmp_path, capsys):
     split_rows = {k: sum(e - s for _, s, e in v) for k, v in manifest["splits"].items()}
     assert split_rows == {"train": 1200, "val": 151, "test": 150}
     # Row by row as TorchRec's preprocessing of each day file (its dense shift is the day's own).
-    src = CriteoSource(str(out), batch_size=150, rank=0, world_size=1, table_sizes=[5000] * 26)
+    src = criteo_source(str(out), batch_size=150, rank=0, world_size=1, table_sizes=[5000] * 26)
     got_labels, got_dense, got_ids = read_all(src)
     np.testing.assert_array_equal(got_labels, np.concatenate([r[2][:, 0] for r in ref]))
     np.testing.assert_array_equal(got_dense, np.concatenate([r[0] for r in ref]))
@@ -159,7 +159,7 @@ def test_a_criteo_dataset_of_an_older_version_is_refused_naming_the_command(tmp_
         line = one_line_error(capsys, 2 if argv[0] == "train" else 1, *argv)
         assert "older version" in line and rewrite in line, line
     with pytest.raises(ConfigError, match="older version"):
-        CriteoSource(str(out), batch_size=10, rank=0, world_size=1, table_sizes=[50] * 26)
+        criteo_source(str(out), batch_size=10, rank=0, world_size=1, table_sizes=[50] * 26)
 
 
 def test_resume_converts_only_missing_shards(tmp_path, capsys):
@@ -385,7 +385,7 @@ def _epoch_rows(sources, epoch: int) -> np.ndarray:
 
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_two_ranks_read_every_train_row_exactly_once(numbered, shuffle):
-    ranks = [CriteoSource(numbered, batch_size=61, rank=r, world_size=2, table_sizes=BIG,
+    ranks = [criteo_source(numbered, batch_size=61, rank=r, world_size=2, table_sizes=BIG,
                           shuffle=shuffle, seed=4, window_rows=244) for r in (0, 1)]
     assert [s.num_train_batches() for s in ranks] == [40, 40]
     orders = []
@@ -399,7 +399,7 @@ def test_two_ranks_read_every_train_row_exactly_once(numbered, shuffle):
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_two_ranks_leave_out_only_the_remainder(numbered, shuffle):
     # 4880 rows, 2 ranks x 64: 38 batches each, 4864 rows used, 16 left out per epoch.
-    ranks = [CriteoSource(numbered, batch_size=64, rank=r, world_size=2, table_sizes=BIG,
+    ranks = [criteo_source(numbered, batch_size=64, rank=r, world_size=2, table_sizes=BIG,
                           shuffle=shuffle, seed=4, window_rows=320) for r in (0, 1)]
     assert [s.num_train_batches() for s in ranks] == [38, 38]
     used = set()
@@ -415,7 +415,7 @@ def test_two_ranks_leave_out_only_the_remainder(numbered, shuffle):
 
 
 def test_resume_mid_epoch_gives_the_same_batches(numbered):
-    src = CriteoSource(numbered, batch_size=50, rank=1, world_size=2, table_sizes=BIG,
+    src = criteo_source(numbered, batch_size=50, rank=1, world_size=2, table_sizes=BIG,
                        shuffle=True, seed=7, window_rows=300)
     full = [_row_ids(b) for b in src.train_batches(2)]
     resumed = [_row_ids(b) for b in src.train_batches(2, start_batch=13)]
@@ -427,7 +427,7 @@ def test_resume_mid_epoch_gives_the_same_batches(numbered):
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_eval_covers_every_row_exactly_once(numbered, world_size):
     for split, lo, hi in (("val", TRAIN_ROWS, TRAIN_ROWS + 716), ("test", TRAIN_ROWS + 716, TRAIN_ROWS + EVAL_ROWS)):
-        srcs = [CriteoSource(numbered, batch_size=100, rank=r, world_size=world_size,
+        srcs = [criteo_source(numbered, batch_size=100, rank=r, world_size=world_size,
                              table_sizes=BIG, window_rows=200) for r in range(world_size)]
         outputs = [list(s.eval_batches(split)) for s in srcs]
         assert len({len(o) for o in outputs}) == 1  # same number of items on every rank
@@ -445,7 +445,7 @@ def test_an_eval_sample_is_fixed_spread_and_the_same_on_any_number_of_ranks(numb
     monkeypatch.setattr(shards, "SAMPLE_BLOCK_ROWS", 50)  # 300 rows: 6 blocks of 50 (every layout's reader)
     picked = {}
     for world_size in (1, 2, 3):
-        srcs = [CriteoSource(numbered, batch_size=100, rank=r, world_size=world_size, table_sizes=BIG,
+        srcs = [criteo_source(numbered, batch_size=100, rank=r, world_size=world_size, table_sizes=BIG,
                              window_rows=200) for r in range(world_size)]  # fmt: skip
         assert {s.num_eval_rows("val") for s in srcs} == {716}
         outputs = [list(s.eval_batches("val", 300)) for s in srcs]
@@ -455,7 +455,7 @@ def test_an_eval_sample_is_fixed_spread_and_the_same_on_any_number_of_ranks(numb
     # Spread over the split, not its first rows (a day's log read in order is in time order).
     starts = [TRAIN_ROWS + 716 * k // 6 for k in range(6)]  # the split's sixths
     assert picked[1] == [x for s in starts for x in range(s, s + 50)]
-    src = CriteoSource(numbered, batch_size=100, rank=0, world_size=1, table_sizes=BIG)
+    src = criteo_source(numbered, batch_size=100, rank=0, world_size=1, table_sizes=BIG)
     whole = [x for b, n in src.eval_batches("val", 5000) for x in _row_ids(b)[:n].tolist()]
     assert whole == list(range(TRAIN_ROWS, TRAIN_ROWS + 716))
 
@@ -464,7 +464,7 @@ def test_an_eval_sample_is_fixed_spread_and_the_same_on_any_number_of_ranks(numb
 def test_batches_carry_their_feature_counts(numbered, multi_hot):
     # Counted on the host: TorchRec's input dist would otherwise sum them on the GPU and copy
     # them back, a blocking copy per batch (data.keyed_jagged_tensor).
-    src = CriteoSource(numbered, batch_size=64, rank=0, world_size=1, table_sizes=BIG, multi_hot_sizes=multi_hot)
+    src = criteo_source(numbered, batch_size=64, rank=0, world_size=1, table_sizes=BIG, multi_hot_sizes=multi_hot)
     for batch in (next(src.train_batches(0)), next(src.eval_batches("val"))[0]):
         kjt = batch.sparse_features
         counts = kjt.lengths().view(26, 64).sum(1).tolist()
@@ -474,9 +474,9 @@ def test_batches_carry_their_feature_counts(numbered, multi_hot):
 
 def test_reader_errors_name_the_problem(tmp_path, numbered):
     with pytest.raises(ConfigError, match="manifest.json not found.*data preprocess"):
-        CriteoSource(str(tmp_path), batch_size=10, rank=0, world_size=1, table_sizes=[10] * 26)
+        criteo_source(str(tmp_path), batch_size=10, rank=0, world_size=1, table_sizes=[10] * 26)
     with pytest.raises(ConfigError, match="--batch_size: .*4880 training rows"):
-        CriteoSource(numbered, batch_size=3000, rank=0, world_size=2, table_sizes=BIG)
+        criteo_source(numbered, batch_size=3000, rank=0, world_size=2, table_sizes=BIG)
     tsv = tmp_path / "train.txt"
     write_criteo_tsv(str(tsv), rows=800)
     assert main(["data", "preprocess", "--no_progress", "--format", "kaggle", "--input", str(tsv),
@@ -484,6 +484,19 @@ def test_reader_errors_name_the_problem(tmp_path, numbered):
     cfg = parse_job_config(["--dataset_path", str(tmp_path / "o"), "--num_embeddings", "4000"])
     with pytest.raises(ConfigError, match="--num_embeddings_per_feature: .*ids up to 4999"):
         build_criteo_source(cfg, 0, 1)
+
+
+def test_criteo_and_a_schemas_datasets_are_read_by_the_one_reader(numbered):
+    """train --dataset_path reads a Criteo dataset with the reader of every dataset: the same
+    class, its records made into batches by Criteo's batcher."""
+    from torchrec_cloud.data.reader import SchemaSource, build_dataset_source
+
+    cfg = parse_job_config(["--dataset_path", numbered, "--batch_size", "64"])
+    cfg.model.num_embeddings_per_feature = BIG
+    src = build_dataset_source(cfg, 0, 1)
+    assert type(src) is SchemaSource and src.criteo is not None
+    batch = next(src.train_batches(0))
+    assert _row_ids(batch).tolist() == list(range(64))  # cat_0 holds the row number, in file order
 
 
 def test_multi_hot_bags():
@@ -504,7 +517,7 @@ def test_multi_hot_bags():
 
 def test_multi_hot_from_criteo_shards(numbered):
     sizes = [2] * 13 + [1] * 13
-    src = CriteoSource(numbered, batch_size=64, rank=0, world_size=1, table_sizes=BIG,
+    src = criteo_source(numbered, batch_size=64, rank=0, world_size=1, table_sizes=BIG,
                        multi_hot_sizes=sizes)
     batch = next(src.train_batches(0))
     assert batch.sparse_features["cat_0"].lengths().tolist() == [2] * 64
@@ -537,8 +550,8 @@ def test_preprocess_to_bucket_and_read_back(storage_root, tmp_path, capsys):
     assert rc == 0, err
     assert f"to {storage_root}" in stdout
     kw = dict(batch_size=128, rank=0, world_size=1, table_sizes=[3000] * 26, shuffle=True, seed=2)
-    a = list(CriteoSource(str(local), **kw).train_batches(0))
-    b = list(CriteoSource(storage_root, **kw).train_batches(0))
+    a = list(criteo_source(str(local), **kw).train_batches(0))
+    b = list(criteo_source(storage_root, **kw).train_batches(0))
     assert len(a) == len(b) == (1400 - 1400 // 7) // 128
     for x, y in zip(a, b):
         assert torch.equal(x.dense_features, y.dense_features)

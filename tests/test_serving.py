@@ -82,9 +82,9 @@ torch.save(scorer(inputs["dense"], inputs["ids"]), sys.argv[3])
 
 
 def test_exported_module_scores_in_a_python_with_torch_alone(run, tmp_path, capsys):
-    from torchrec_cloud.data.criteo_reader import CriteoSource
+    from torchrec_cloud.data.reader import criteo_source
 
-    source = CriteoSource(str(run / "data"), batch_size=50, rank=0, world_size=1, table_sizes=[1000] * 26)
+    source = criteo_source(str(run / "data"), batch_size=50, rank=0, world_size=1, table_sizes=[1000] * 26)
     batch, valid = next(source.eval_batches("val"))
     ids = batch.sparse_features.values().view(26, 50).t()
     torch.save({"dense": batch.dense_features, "ids": ids}, tmp_path / "inputs.pt")

@@ -1,7 +1,7 @@
 """Criteo, the built-in schema, as stored: its record, and the Criteo parts of a dataset's
 ``manifest.json`` (the one format, ``torchrec-cloud-shards``, whose ``schema`` is the built-in
 ``criteo``: :func:`~torchrec_cloud.data.schema.criteo_schema`), written by
-:mod:`~torchrec_cloud.data.criteo_preprocess`, read by :mod:`~torchrec_cloud.data.criteo_reader`
+:mod:`~torchrec_cloud.data.criteo_preprocess`, read by :mod:`~torchrec_cloud.data.reader` (its batches made by :mod:`~torchrec_cloud.data.criteo_reader`)
 (docs/data.md describes both), with the checks that need no torch: the manifest
 (:func:`load_manifest`; the shards and splits as every dataset's,
 :func:`~torchrec_cloud.data.dataset.check_layout`), every shard's size (:func:`check_shards`,
@@ -30,6 +30,7 @@ from torchrec_cloud.data.dataset import (  # noqa: F401 (MANIFEST, SHARD_DIR: Cr
     MAX_MANIFEST_BYTES,
     MAX_SHARDS,
     SHARD_DIR,
+    Dataset,
     Shard,
     check_layout,
     check_sizes,
@@ -37,7 +38,7 @@ from torchrec_cloud.data.dataset import (  # noqa: F401 (MANIFEST, SHARD_DIR: Cr
     refuse_old_criteo,
     verify_files,
 )
-from torchrec_cloud.data.schema import CRITEO_BUILTIN
+from torchrec_cloud.data.schema import CRITEO_BUILTIN, MAX_TABLE_ROWS, Dense, Label, Schema, Sparse
 from torchrec_cloud.untrusted import MAX_INT, MAX_ROWS, Fields, UntrustedInputError, read_json, shown
 
 INT_FEATURES = 13
@@ -131,6 +132,23 @@ def check_manifest(manifest: Any, path: str) -> dict:
         entry.int("dense_min", lo=-(2**31), hi=2**31 - 1)
     check_layout(doc, path, row_bytes)
     return manifest
+
+
+def load_criteo(path: str) -> Dataset:
+    """The Criteo dataset at ``path`` as every dataset is described (:class:`~torchrec_cloud.data.dataset.Dataset`,
+    what the one reader, :class:`~torchrec_cloud.data.reader.SchemaSource`, reads): its manifest checked
+    (:func:`load_manifest`), every shard's size as listed in its folder (:func:`check_shards`). Its
+    schema is the built-in one: 13 dense features, 26 id features, no lists; ``table_sizes`` is
+    empty when the ids were kept whole (the model's sizes reduce them when read)."""
+    manifest = load_manifest(path)
+    check_shards(path, manifest)  # a missing or truncated shard stops the run here, named
+    sizes = table_sizes(manifest)
+    schema = Schema("criteo", Label("label"), tuple(Dense(n, n) for n in DENSE_NAMES),
+                    tuple(Sparse(n, n, mapping="modulo", num_embeddings=sizes[i] if sizes else MAX_TABLE_ROWS)
+                          for i, n in enumerate(SPARSE_NAMES)))  # fmt: skip
+    record = record_dtype(manifest["record"]["fields"][2]["dtype"])
+    return Dataset(path, manifest, schema, record, np.dtype("<i4"), list(sizes or []), shards_of(path, manifest),
+                   manifest["splits"], {}, {})  # fmt: skip
 
 
 def table_sizes(manifest: dict) -> Optional[list[int]]:

@@ -5,7 +5,7 @@ how its splits are cut).
 Turns the Criteo Kaggle ``train.txt`` or the Criteo 1TB day files (``day_0`` .. ``day_23``,
 plain or ``.gz``) into fixed-width binary shards plus a ``manifest.json`` of the one dataset
 format (``torchrec-cloud-shards``, its ``schema`` the built-in ``criteo``) that the trainer
-reads with ``--dataset_path`` (see :mod:`torchrec_cloud.data.criteo_reader` and docs/data.md)::
+reads with ``--dataset_path`` (see :mod:`torchrec_cloud.data.reader` and docs/data.md)::
 
     torchrec-cloud data preprocess --format kaggle --input train.txt --output /data/kaggle \\
         --num_embeddings 10000000
@@ -39,7 +39,7 @@ import threading
 import time
 import zlib
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -47,13 +47,13 @@ from torchrec_cloud import checksum, storage
 from torchrec_cloud.data.criteo_format import (
     DENSE_NAMES,
     MANIFEST,
-    PLAN,
     SHARD_DIR,
     SPARSE_NAMES,
     check_manifest,
     record_dtype,
     sparse_dtype_for,
 )
+from torchrec_cloud.data.conversion import prepare, read_record, run_each
 from torchrec_cloud.data.criteo_parse import BadLineError, PreprocessError, parse_block
 from torchrec_cloud.data.dataset import FORMAT_NAME, FORMAT_VERSION, record_section
 from torchrec_cloud.data.schema import criteo_schema
@@ -64,7 +64,6 @@ from torchrec_cloud.untrusted import (
     Fields,
     UntrustedInputError,
     integer,
-    read_json,
     read_line,
     shown,
     text,
@@ -269,7 +268,7 @@ class _Converter:
         self.lines += parsed.lines
         return len(parsed.records)
 
-    def finish(self, task: Task, shard: int, first_line: Optional[int], report: Any) -> dict:
+    def finish(self, task: Task, shard: int, first_line: Optional[int]) -> dict:
         records = np.concatenate(self.parts) if self.parts else np.empty(0, self.dtype)
         name = _shard_name(self.opts, task.source, shard)
         target = storage.join(self.opts.output, SHARD_DIR, name)
@@ -294,19 +293,6 @@ class _Converter:
         return marker
 
 
-_progress: Any = None
-
-
-def _init_worker(queue: Any) -> None:
-    global _progress
-    _progress = queue
-
-
-def _report(rows: int) -> None:
-    if _progress is not None:
-        _progress.put(rows)
-
-
 def _marker_path(opts: Options, source: int, shard: int) -> str:
     return storage.join(opts.output, SHARD_DIR, _shard_name(opts, source, shard) + ".done")
 
@@ -316,7 +302,7 @@ def _load_marker(opts: Options, source: int, shard: int) -> Optional[dict]:
     and index) with counts in range: a marker from elsewhere never names another file."""
     path = _marker_path(opts, source, shard)
     try:
-        marker = _read_json(path)
+        marker = read_record(path)
     except storage.StorageNotFoundError:
         return None
     try:
@@ -343,21 +329,9 @@ def _load_marker(opts: Options, source: int, shard: int) -> Optional[dict]:
     return marker
 
 
-PLAN_MAX_BYTES = 16 << 20
-
-
-def _read_json(path: str) -> Any:
-    """A record this command wrote (plan, marker, manifest), read as input (a bucket may hold
-    anything): damaged or oversized bytes are a one-line error."""
-    try:
-        return read_json(path, PLAN_MAX_BYTES)
-    except UntrustedInputError as e:
-        raise PreprocessError(f"{path} is damaged ({e.problem.removeprefix('is ')}); delete it, or use another "
-                              "--output") from None  # fmt: skip
-
-
-def run_task(opts: Options, task: Task) -> list[dict]:
-    """Convert one task's lines to shards (skipping shards already committed)."""
+def run_task(opts: Options, task: Task, report: Callable[[int], Any] = lambda rows: None) -> list[dict]:
+    """Convert one task's lines to shards (skipping shards already committed); ``report``
+    gets the rows converted as they are."""
     if task.kind == "range":
         marker = _load_marker(opts, task.source, task.shard)
         if marker is not None:
@@ -371,8 +345,8 @@ def run_task(opts: Options, task: Task) -> list[dict]:
             return line_base[0] + line_in_shard
 
         for block in _range_blocks(task.path, task.start, task.end):
-            _report(conv.add(block, locate))
-        return [conv.finish(task, task.shard, None, _report)]
+            report(conv.add(block, locate))
+        return [conv.finish(task, task.shard, None)]
 
     # A gzip file: shard k holds input lines [k * rows_per_shard, (k + 1) * rows_per_shard).
     per = opts.rows_per_shard
@@ -390,11 +364,11 @@ def run_task(opts: Options, task: Task) -> list[dict]:
             n_head = head.count(b"\n")
             if conv is not None:
                 base = shard * per
-                _report(conv.add(head, lambda i, base=base: base + i))
+                report(conv.add(head, lambda i, base=base: base + i))
             line += n_head
             if line == (shard + 1) * per:
                 if conv is not None:
-                    marker = conv.finish(task, shard, shard * per, _report)
+                    marker = conv.finish(task, shard, shard * per)
                 markers.append(marker)
                 shard += 1
                 marker = _load_marker(opts, task.source, shard)
@@ -403,7 +377,7 @@ def run_task(opts: Options, task: Task) -> list[dict]:
         raise PreprocessError(f"{task.path}: the file is empty (no lines after decompression)")
     if line > shard * per:
         if conv is not None:
-            marker = conv.finish(task, shard, shard * per, _report)
+            marker = conv.finish(task, shard, shard * per)
         markers.append(marker)
     return markers
 
@@ -415,10 +389,6 @@ def _range_start(task: Task) -> int:
     with storage.open(task.path, "rb") as f:
         f.seek(task.start - 1)
         return task.start - 1 + len(_read_line(f, task.path))
-
-
-def _worker(args: tuple[Options, Task]) -> list[dict]:
-    return run_task(*args)
 
 
 def plan_tasks(opts: Options) -> list[Task]:
@@ -557,28 +527,9 @@ def preprocess(opts: Options, workers: int = 0, progress: bool = True) -> Result
     stems = [_source_stem(p) for p in opts.inputs]
     if len(set(stems)) != len(stems):  # their shards' names would collide
         raise PreprocessError(f"two inputs have the same file name: {stems}; rename one")
-    storage.makedirs(opts.output)
-    plan_path = storage.join(opts.output, PLAN)
-    plan = opts.plan()
-    if storage.exists(plan_path):
-        old = _read_json(plan_path)
-        if not isinstance(old, dict):
-            raise PreprocessError(f"{plan_path} is not a JSON object; delete it, or use another --output")
-        if old != plan:
-            changed = sorted(str(k) for k in set(old) | set(plan) if old.get(k) != plan.get(k))
-            raise PreprocessError(
-                f"{opts.output} holds a preprocessing run with different settings "
-                f"({shown(', '.join(changed), 200)}); use another --output or delete that one"
-            )
-        manifest_path = storage.join(opts.output, MANIFEST)
-        if storage.exists(manifest_path):
-            try:
-                manifest = check_manifest(_read_json(manifest_path), opts.output)
-            except UntrustedInputError as e:
-                raise PreprocessError(f"{e}; delete it, or use another --output") from None
-            return Result(manifest, time.perf_counter() - t0, len(manifest["shards"]), True)
-    else:
-        storage.write_bytes(plan_path, json.dumps(plan, indent=1).encode())
+    done = prepare(opts.output, opts.plan(), lambda m: check_manifest(m, opts.output))
+    if done is not None:
+        return Result(done, time.perf_counter() - t0, len(done["shards"]), True)
     storage.makedirs(storage.join(opts.output, SHARD_DIR))
     tasks = plan_tasks(opts)
     workers = min(workers or os.cpu_count() or 1, len(tasks))
@@ -594,36 +545,12 @@ def preprocess(opts: Options, workers: int = 0, progress: bool = True) -> Result
     from torchrec_cloud.progress import Progress
 
     bar = Progress("preprocess", "rows", enabled=progress)  # a bar in a terminal, plain lines in a log
-    markers: list[dict] = []
-    if workers <= 1:
-        global _progress
-
-        class _Direct:
-            def put(self, rows: int) -> None:
-                bar.update(rows)
-
-        _progress = _Direct()
-        try:
-            for task in tasks:
-                markers.extend(run_task(opts, task))
-        finally:
-            _progress = None
-    else:
-        # fork: workers need nothing the parent has not imported. Only from a process with
-        # one thread, though: a child forked while another thread (a cloud storage client's
-        # event loop, a test's emulator reader) holds a lock waits on that lock forever.
-        forkable = "fork" in mp.get_all_start_methods() and threading.active_count() == 1
-        ctx = mp.get_context("fork" if forkable else "spawn")
-        queue = ctx.Queue()
-        with ctx.Pool(workers, initializer=_init_worker, initargs=(queue,)) as pool:
-            pending = pool.map_async(_worker, [(opts, t) for t in tasks], chunksize=1)
-            while True:
-                while not queue.empty():
-                    bar.update(queue.get())
-                if pending.ready():
-                    break
-                pending.wait(0.2)
-            markers = [m for ms in pending.get() for m in ms]
+    # fork where it is safe (workers need nothing the parent has not imported): only from a
+    # process with one thread, since a child forked while another thread (a cloud storage
+    # client's event loop, a test's emulator reader) holds a lock waits on that lock forever.
+    forkable = "fork" in mp.get_all_start_methods() and threading.active_count() == 1
+    results = run_each(run_task, opts, tasks, (), workers, bar, "fork" if forkable else "spawn")
+    markers = [m for ms in results for m in ms]
     bar.close()
     manifest = _manifest(opts, markers)
     if manifest["rows"] == 0:

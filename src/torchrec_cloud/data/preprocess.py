@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import multiprocessing as mp
 import os
 import re
 import time
@@ -55,6 +54,7 @@ from torchrec_cloud.data.dataset import (
     record_section,
 )
 from torchrec_cloud.data.buckets import Summary, boundaries
+from torchrec_cloud.data.conversion import PLAN, prepare, run_each  # noqa: F401 (PLAN: where a run's plan is)
 from torchrec_cloud.data.schema import Schema, Split
 from torchrec_cloud.data.tabular import BadRowError, Caps, Input
 from torchrec_cloud.data.transforms import SPLIT_CODES, Transforms
@@ -62,7 +62,6 @@ from torchrec_cloud.errors import CommandError
 from torchrec_cloud.untrusted import MAX_ROWS, Fields, UntrustedInputError, integer, number, read_json, shown
 from torchrec_cloud.progress import plural
 
-PLAN = "_plan.json"
 COUNTS_DIR = "_counts"
 SOURCES_DIR = "_sources"
 POLL_S = 2.0
@@ -475,21 +474,7 @@ class Result:
 
 def _prepare(opts: Options) -> Optional[dict]:
     """Check or write the plan; the finished manifest when there is one."""
-    storage.makedirs(opts.output)
-    plan_url = storage.join(opts.output, PLAN)
-    plan = opts.plan()
-    if storage.exists(plan_url):
-        old = read_json(plan_url, MAX_MANIFEST_BYTES)
-        if old != plan:
-            changed = sorted(str(k) for k in set(old) | set(plan) if old.get(k) != plan.get(k)) if isinstance(old, dict) else ["plan"]
-            raise PreprocessError(f"{opts.output} holds a preprocessing run with different settings "
-                                  f"({shown(', '.join(changed), 200)}); use another --output or delete that one")  # fmt: skip
-        manifest_url = storage.join(opts.output, MANIFEST)
-        if storage.exists(manifest_url):
-            return load_dataset(opts.output, read_json(manifest_url, MAX_MANIFEST_BYTES), check_files=False).manifest
-    else:
-        storage.write_bytes(plan_url, json.dumps(plan, indent=1).encode())
-    return None
+    return prepare(opts.output, opts.plan(), lambda m: load_dataset(opts.output, m, check_files=False).manifest)
 
 
 def _wait_for_counts(opts: Options, wait_s: float) -> None:
@@ -510,35 +495,8 @@ def _wait_for_counts(opts: Options, wait_s: float) -> None:
 
 
 def _run(fn: Callable, opts: Options, sources: list[int], extra: tuple, workers: int, progress: Any) -> None:
-    """``fn(opts, source, *extra, report)`` for each source, in ``workers`` processes."""
-    if workers <= 1 or len(sources) <= 1:
-        for s in sources:
-            fn(opts, s, *extra, progress.update)
-        return
     # spawn: pyarrow's own threads make a forked child unsafe.
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with ctx.Pool(min(workers, len(sources)), initializer=_init_worker, initargs=(queue,)) as pool:
-        pending = pool.starmap_async(_in_worker, [(fn, opts, s, extra) for s in sources], chunksize=1)
-        while True:
-            while not queue.empty():
-                progress.update(queue.get())
-            if pending.ready():
-                break
-            pending.wait(0.2)
-        pending.get()
-
-
-_queue: Any = None
-
-
-def _init_worker(queue: Any) -> None:
-    global _queue
-    _queue = queue
-
-
-def _in_worker(fn: Callable, opts: Options, source: int, extra: tuple) -> None:
-    fn(opts, source, *extra, _queue.put)
+    run_each(fn, opts, sources, extra, workers, progress, "spawn")
 
 
 def preprocess(opts: Options, workers: int = 1, share: Optional[tuple[int, int]] = None, wait_s: float = 3600.0,

@@ -1,15 +1,18 @@
-"""A dataset made from a schema, read for training: the data source behind ``--dataset_path``
-(one manifest format; a dataset of the built-in schema ``criteo`` has its batches made by
-:mod:`~torchrec_cloud.data.criteo_reader`)::
+"""The one reader of datasets, read for training: the data source behind ``--dataset_path``
+for every dataset of the one manifest format, a schema's or Criteo's (the built-in schema)::
 
     torchrec-cloud train --dataset_path s3://bucket/events-shards      # features from the manifest
+    torchrec-cloud train --preset criteo-1tb --dataset_path s3://bucket/criteo-1tb
     source = build_dataset_source(cfg, rank, world_size)
 
 Rows reach ranks as for every layout (:mod:`~torchrec_cloud.data.shards`); this module reads
-a schema's records and list features and makes batches of them (:func:`batch_of`, also what
-``predict`` calls on raw rows after the same transforms). The model's features, table sizes
-and pooling come from the manifest (``dataset.model_features``), applied to the config
-before the run starts.
+a dataset's records and list features (:class:`SchemaSource`) and makes batches of them: a
+schema's by :func:`batch_of` (also what ``predict`` calls on raw rows after the same
+transforms), Criteo's record (its 13 integers as in the TSV) by
+:class:`~torchrec_cloud.data.criteo_reader.CriteoBatcher` (the dense transform, multi-hot).
+A schema's features, table sizes and pooling come from the manifest
+(``dataset.model_features``), applied to the config before the run starts; Criteo's are the
+model's flags (13 dense, 26 sparse, ``--num_embeddings_per_feature``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from torchrec.datasets.utils import Batch
 
 from torchrec_cloud import storage
 from torchrec_cloud.config import ConfigError, JobConfig
+from torchrec_cloud.data.criteo_format import CAT_FEATURES, INT_FEATURES, SPARSE_NAMES, load_criteo
+from torchrec_cloud.data.criteo_reader import CriteoBatcher
 from torchrec_cloud.data.source import SPLITS, keyed_jagged_tensor
 from torchrec_cloud.data.dataset import (
     OFFSET_BYTES,
@@ -67,13 +72,21 @@ def batch_of(rows: Rows, keys: Sequence[str], singles: Sequence[int], lists: Seq
 
 
 class SchemaSource(ShardSource):
-    """Batches of a schema's shards for one rank."""
+    """Batches of a dataset's shards for one rank: every dataset's, a schema's or Criteo's
+    (``criteo``: the batcher of Criteo's record, :func:`criteo_source`)."""
 
     def __init__(self, dataset: Dataset, *, batch_size: int, rank: int, world_size: int, shuffle: bool = False,
                  seed: int = 0, window_rows: int = WINDOW_ROWS, io_threads: int = IO_THREADS,
-                 splits: Sequence[str] = SPLITS) -> None:  # fmt: skip
+                 splits: Sequence[str] = SPLITS, criteo: Optional[CriteoBatcher] = None) -> None:  # fmt: skip
         """``splits``: those that must have rows (see :class:`~torchrec_cloud.data.shards.ShardSource`)."""
         self.dataset = dataset
+        self.manifest = dataset.manifest
+        self.criteo = criteo
+        if criteo is not None:
+            # TorchRec's dense transform subtracts the smallest value of each row's input file.
+            source_min = [s["dense_min"] for s in dataset.manifest["sources"]]
+            self.shard_shift = np.array([source_min[s.source] - 2 for s in dataset.shards], np.int64)
+            self.uses_shift = True
         self.dtype = dataset.record
         self.list_dtype = dataset.list_dtype
         self.num_lists = len(dataset.schema.lists)
@@ -81,7 +94,7 @@ class SchemaSource(ShardSource):
         self.keys = [f.name for f in sparse]
         self.singles = [k for k, f in enumerate(sparse) if not f.list]
         self.lists = [k for k, f in enumerate(sparse) if f.list]
-        self.table_sizes = np.asarray(dataset.table_sizes, np.int64)
+        self.table_sizes = criteo.table_sizes if criteo is not None else np.asarray(dataset.table_sizes, np.int64)
         self._init_splits(dataset.path, dataset.splits, batch_size=batch_size, rank=rank, world_size=world_size,
                           shuffle=shuffle, seed=seed, window_rows=window_rows, io_threads=io_threads,
                           required=splits)  # fmt: skip
@@ -111,15 +124,24 @@ class SchemaSource(ShardSource):
             item = self.list_dtype.itemsize
             values = np.frombuffer(self._read(shard, values_at + first * item, last - first, item, "ids"), self.list_dtype)
             lists.append((offsets - first, values))
+        if self.criteo is not None:
+            return Rows(records, lists, np.full(hi - lo, self.shard_shift[shard_index], np.int64))
         return Rows(records, lists)
 
     def _make_batch(self, rows: Rows, key: Optional[tuple[int, int]]) -> Batch:
+        if self.criteo is not None:
+            return self.criteo(rows.records, rows.shift, key)
         return batch_of(rows, self.keys, self.singles, self.lists, self.table_sizes, self.path)
 
     def facts(self) -> dict[str, Any]:
         """The dataset's facts (:meth:`Dataset.facts`: the digest of its transforms, which
         checkpoints record), once every vocabulary file matches the manifest: read whole, its
-        size, checksum and count checked (a ConfigError naming the first that does not)."""
+        size, checksum and count checked (a ConfigError naming the first that does not).
+        Criteo's name the built-in schema and pin its ids modulo the model's table sizes."""
+        if self.criteo is not None:
+            from torchrec_cloud.data.dataset import PINNED, criteo_digest
+
+            return {"schema": {"name": "criteo"}, PINNED: {"kind": "criteo", "digest": criteo_digest(self.table_sizes)}}
         ds = self.dataset
         problems = check_vocabularies(ds.path, ds.vocab_files, ds.manifest_url)
         if problems:
@@ -128,13 +150,55 @@ class SchemaSource(ShardSource):
         return ds.facts()
 
 
+def criteo_source(path: str, *, batch_size: int, rank: int, world_size: int, table_sizes: Sequence[int],
+                  shuffle: bool = False, seed: int = 0, dense_transform: str = "torchrec",
+                  multi_hot_sizes: Optional[Sequence[int]] = None, multi_hot_pooling: str = "fixed",
+                  window_rows: int = WINDOW_ROWS, io_threads: int = IO_THREADS,
+                  splits: Sequence[str] = SPLITS) -> SchemaSource:  # fmt: skip
+    """The reader of the Criteo dataset at ``path`` for a model with tables of ``table_sizes``
+    rows: its ids, when reduced at preprocessing, must fit them (a ConfigError naming the
+    sizes to train with otherwise)."""
+    ds = load_criteo(path)
+    batcher = CriteoBatcher(table_sizes, ids_reduced=bool(ds.table_sizes), where=path, dense_transform=dense_transform,
+                            multi_hot_sizes=multi_hot_sizes, multi_hot_pooling=multi_hot_pooling, seed=seed, rank=rank)  # fmt: skip
+    stored = ds.table_sizes
+    too_small = [i for i, (s, t) in enumerate(zip(stored, batcher.table_sizes)) if t < s]
+    if too_small:
+        i = too_small[0]
+        raise ConfigError(
+            "num_embeddings_per_feature",
+            f"the shards in {path} hold ids up to {stored[i] - 1} for {SPARSE_NAMES[i]} "
+            f"but its table has {int(batcher.table_sizes[i])} rows; train with the sizes "
+            f"the data was preprocessed with ({','.join(map(str, stored))}) or "
+            "preprocess again with smaller ones",
+        )
+    return SchemaSource(ds, batch_size=batch_size, rank=rank, world_size=world_size, shuffle=shuffle, seed=seed,
+                        window_rows=window_rows, io_threads=io_threads, splits=splits, criteo=batcher)  # fmt: skip
+
+
+def build_criteo_source(cfg: JobConfig, rank: int, world_size: int, splits: Sequence[str] = SPLITS) -> SchemaSource:
+    """The reader of a Criteo ``--dataset_path`` (``splits``: those that must have rows)."""
+    if cfg.model.num_dense_features != INT_FEATURES or cfg.model.num_sparse_features != CAT_FEATURES:
+        raise ConfigError(
+            "dataset_path",
+            f"Criteo data has {INT_FEATURES} dense and {CAT_FEATURES} sparse features; the "
+            f"model has {cfg.model.num_dense_features} and {cfg.model.num_sparse_features}",
+        )
+    if cfg.data.multi_hot_sizes is not None:
+        from torchrec_cloud.data.multihot import validate_sizes
+
+        validate_sizes(cfg.data.multi_hot_sizes, CAT_FEATURES)
+    return criteo_source(cfg.data.dataset_path or "", batch_size=cfg.data.batch_size, rank=rank, world_size=world_size,
+                         table_sizes=cfg.model.table_sizes, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
+                         dense_transform=cfg.data.dense_transform, multi_hot_sizes=cfg.data.multi_hot_sizes,
+                         multi_hot_pooling=cfg.data.multi_hot_pooling, splits=splits)  # fmt: skip
+
+
 def build_dataset_source(cfg: JobConfig, rank: int, world_size: int) -> ShardSource:
-    """The source of ``--dataset_path``: a schema's shards, the built-in Criteo one's among them."""
+    """The source of ``--dataset_path``: a dataset's shards, a schema's or Criteo's."""
     path = cfg.data.dataset_path or ""
     manifest = read_manifest(path)  # a Criteo dataset of an older version is refused here
     if is_criteo_dataset(manifest):
-        from torchrec_cloud.data.criteo_reader import build_criteo_source
-
         return build_criteo_source(cfg, rank, world_size)
     try:
         ds = load_dataset(path, manifest)

@@ -1,8 +1,7 @@
 """One reader of preprocessed shards, whatever their layout: how rows reach ranks, in which
-order, read ahead from a folder or a bucket. A layout (Criteo's records in
-:mod:`~torchrec_cloud.data.criteo_reader`, a schema's records and lists in
-:mod:`~torchrec_cloud.data.reader`) says how a range of rows is read and how rows become a
-``Batch``; everything else is here::
+order, read ahead from a folder or a bucket. A subclass (every dataset's, a schema's or
+Criteo's: :class:`~torchrec_cloud.data.reader.SchemaSource`) says how a range of rows is read
+and how rows become a ``Batch``; everything else is here::
 
     class MySource(ShardSource):
         def _read_range(self, shard, lo, hi) -> Rows: ...

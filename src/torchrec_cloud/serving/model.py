@@ -332,4 +332,4 @@ class _CriteoRows:
     def batch(self, parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> Any:
         records = np.concatenate([p[0] for p in parts])
         shift = np.concatenate([p[1] for p in parts])
-        return self.tsv._batch(records, shift, None)
+        return self.tsv.batcher(records, shift, None)

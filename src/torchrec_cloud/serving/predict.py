@@ -62,9 +62,10 @@ def eval_source(cfg: JobConfig, batch_size: int, split: str = "val", pinned: Opt
         from torchrec_cloud.data.synthetic import SyntheticSource
 
         return SyntheticSource(cfg, 0, 1)
-    from torchrec_cloud.data.criteo_reader import CriteoTSV, build_criteo_source, load_manifest
+    from torchrec_cloud.data.criteo_format import load_manifest
+    from torchrec_cloud.data.criteo_reader import CriteoTSV
     from torchrec_cloud.data.dataset import is_schema_dataset, load_dataset, read_manifest
-    from torchrec_cloud.data.reader import SchemaSource
+    from torchrec_cloud.data.reader import SchemaSource, build_criteo_source
 
     needed = ("train", "val", "test") if split == "all" else (split,)
     hint = "score the data it trained on, or data made with the same transforms"
