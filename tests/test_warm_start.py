@@ -2,9 +2,9 @@
 optimizer state into a new run, on any rank count, resets the rows its dataset's vocabulary
 reused, and refuses a dataset of another lineage or a checkpoint of another model in one line.
 
-The "grown" datasets here are the one preprocessed dataset with its manifest's ``vocabulary``
-section edited (the vocabulary files unchanged, so still consistent): a child of the
-checkpoint's vocabulary that reuses chosen rows, and one of another lineage. Runs use a
+The datasets are real days of a lineage (``data preprocess --vocab_from``): a child of the
+checkpoint's vocabulary whose full user table reused the rows of users it did not see, and
+the same day preprocessed on its own (another lineage). Runs use a
 learning rate too small to move a float32 weight where a test compares tensors: a row the run does not train keeps exactly what
 was loaded, and which rows a run trains depends only on the data, not on the weights.
 """
@@ -64,17 +64,30 @@ def train_1(*flags: str) -> dict:
     return train(parse_job_config([*MODEL, *flags]))
 
 
+# The events' schema with a user table that fills: the next day evicts the users it did not
+# see (evict_after: 1) and gives their rows to new ones.
+GROWING = SCHEMA.replace("{name: user, type: string, mapping: vocab, num_embeddings: 1000}",
+                         "{name: user, type: string, mapping: vocab, num_embeddings: 100, evict_after: 1}")
+
+
+def preprocess(root: Path, name: str, seed: int, vocab_from: str | None = None) -> dict:
+    write_events(str(root / f"events_{name}"), days=4, rows_per_day=300, seed=seed)
+    argv = ["data", "preprocess", "--no_progress", "--schema", str(root / "schema.yaml"), "--input",
+            str(root / f"events_{name}"), "--output", str(root / name), "--split_by", "ts",
+            "--val_from", str(START + 2 * DAY_S), "--test_from", str(START + 3 * DAY_S)]  # fmt: skip
+    assert main(argv + (["--vocab_from", str(root / vocab_from)] if vocab_from else [])) == 0
+    return json.loads((root / name / "manifest.json").read_text())["vocabulary"]
+
+
 @pytest.fixture(scope="module")
 def lineage(tmp_path_factory):
-    """``data`` (one preprocessing), a 1-rank parent checkpoint ``parent`` trained on it, a
-    frozen warm start from it on the same data (``same``), and ``grown``: a child vocabulary
-    that reuses two user rows the parent trained."""
+    """``data`` (one day's preprocessing), a 1-rank parent checkpoint ``parent`` trained on
+    it, a frozen warm start from it on the same data (``same``); ``grown``: the next day
+    preprocessed with --vocab_from ``data`` (its full user table reuses the rows of users it
+    did not see), and ``stranger``: that day preprocessed on its own (another lineage)."""
     root = tmp_path_factory.mktemp("warm")
-    write_events(str(root / "events"), days=4, rows_per_day=300, seed=3)
-    (root / "schema.yaml").write_text(SCHEMA)
-    assert main(["data", "preprocess", "--no_progress", "--schema", str(root / "schema.yaml"), "--input",
-                 str(root / "events"), "--output", str(root / "data"), "--split_by", "ts",
-                 "--val_from", str(START + 2 * DAY_S), "--test_from", str(START + 3 * DAY_S)]) == 0  # fmt: skip
+    (root / "schema.yaml").write_text(GROWING)
+    digest = preprocess(root, "data", 3)["digest"]
     train_1("--dataset_path", str(root / "data"), "--checkpoint_path", str(root / "parent"),
             "--output_dir", str(root / "parent_run"))  # fmt: skip
     # A frozen warm start on the parent's own data: nothing reset, everything as loaded but
@@ -82,13 +95,12 @@ def lineage(tmp_path_factory):
     train_1("--dataset_path", str(root / "data"), "--warm_start", str(root / "parent"), *FROZEN,
             "--checkpoint_path", str(root / "same"), "--output_dir", str(root / "same_run"))  # fmt: skip
     parent, same = tensors(root / "parent"), tensors(root / "same")
-    digest = load_dataset(str(root / "data")).digest  # version 0 of an old manifest: its transforms' digest
-    reused = parent[MOMENTUM].argsort(descending=True)[:2].tolist()
-    with_vocabulary(root / "data", root / "grown", {"version": 1, "digest": "b" * 64, "parent": digest,
-                                                    "ancestors": [digest], "reset_rows": {"user": reused}})  # fmt: skip
-    with_vocabulary(root / "data", root / "stranger", {"version": 3, "digest": "c" * 64, "parent": "d" * 64,
-                                                       "ancestors": ["e" * 64, "d" * 64], "reset_rows": {}})  # fmt: skip
-    return {"root": root, "parent": parent, "same": same, "reused": reused, "digest": digest}
+    grown = preprocess(root, "grown", 4, vocab_from="data")
+    preprocess(root, "stranger", 4)
+    reused = grown["reset_rows"]["user"]
+    assert reused and grown["ancestors"] == [digest], grown
+    assert bool(parent[MOMENTUM][reused].gt(0).any()), "some reused rows held the parent's trained state"
+    return {"root": root, "parent": parent, "same": same, "reused": reused, "digest": digest, "grown": grown}
 
 
 def test_a_warm_start_on_the_same_vocabulary_loads_everything(lineage):
@@ -123,9 +135,9 @@ def test_two_ranks_warm_start_from_one_rank_and_reset_the_reused_rows(lineage, t
     # Loaded, then only grown (a cold start's state would hold this short run's alone).
     assert bool((two_ranks[MOMENTUM][kept] >= parent[MOMENTUM][kept]).all())
     start = read_metrics(lineage["root"] / "two_run")[0]
-    assert start["world_size"] == 2 and start["vocabulary"] == {"version": 1, "digest": "b" * 64}
+    assert start["world_size"] == 2 and start["vocabulary"] == {"version": 1, "digest": lineage["grown"]["digest"]}
     warm = [r for r in read_metrics(lineage["root"] / "two_run") if r["event"] == "warm_start"][0]
-    assert warm["saved_world_size"] == 1 and warm["reset_rows"] == {"user": 2}
+    assert warm["saved_world_size"] == 1 and warm["reset_rows"] == {"user": len(reused)}
 
 
 def test_one_rank_warm_starts_from_two_ranks_and_a_restart_resumes(lineage, two_ranks, tmp_path):
@@ -193,8 +205,8 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line(lineage, capsys, t
 
 def test_a_damaged_vocabulary_section_is_refused_in_one_line(lineage, capsys, tmp_path):
     root = lineage["root"]
-    bad = with_vocabulary(root / "data", tmp_path / "bad", {"version": 1, "digest": "f" * 64, "parent": None,
-                                                            "ancestors": [], "reset_rows": {"user": ["../../etc"]}})  # fmt: skip
+    section = {**lineage["grown"], "reset_rows": {"user": ["../../etc"]}}  # its digest still its vocabularies'
+    bad = with_vocabulary(root / "grown", tmp_path / "bad", section)
     line = one_line_error(capsys, 2, "train", *MODEL, "--dataset_path", str(bad), "--warm_start", str(root / "parent"),
                           "--output_dir", str(tmp_path / "run"))  # fmt: skip
     assert "manifest.json" in line and "vocabulary.reset_rows.user[0]" in line and "damaged or altered" in line

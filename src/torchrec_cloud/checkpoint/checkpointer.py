@@ -103,7 +103,7 @@ from torchrec_cloud.checkpoint.store import (
 )
 from torchrec_cloud.checkpoint import warm
 from torchrec_cloud.checkpoint.attempts import _KEEP_ATTEMPTS, ATTEMPTS_FILE, read_attempts
-from torchrec_cloud.checkpoint.warm import check_descent, growth_only
+from torchrec_cloud.checkpoint.warm import VOCABULARY, check_descent, growth_only
 from torchrec_cloud.compat import already_staged
 from torchrec_cloud.config import JOB_ID, ConfigError, JobConfig
 from torchrec_cloud.untrusted import shown
