@@ -307,7 +307,7 @@ def daily_context(spec: DeploySpec, profile: Profile) -> dict[str, Any]:
 
     instance = _instance(spec, profile)
     grace = spec.grace_period_s or profile.termination_grace_period_s
-    ctx = _workload_context(spec, profile, instance, grace)
+    ctx = workload_context(spec, profile, instance, grace)
     root = f"{ctx['output_root']}/daily"
     identity = profile.identity or {}
     env = {**profile.env, **(instance.env if instance is not None else {}), GRACE_ENV: grace,
