@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import math
 import re
@@ -248,6 +249,8 @@ class State:
         self.metrics.version.labels(model.version).set(1)
         self.metrics.swaps.inc()
         log(f"serving {self.name} version {model.version} (was {old.version})")
+        del old
+        settle_memory()
 
     def refuse(self, version: str, why: str) -> None:
         self.metrics.refused.inc()
@@ -264,6 +267,17 @@ class State:
 
 def log(line: str) -> None:
     print(f"torchrec-cloud serve: {line}", file=sys.stderr, flush=True)
+
+
+def settle_memory() -> None:
+    """Once a model is loaded (or swapped in): what exists now lives as long as the model, so
+    it is moved out of the cyclic collector's sight (``gc.freeze``). Otherwise every full
+    collection walks the model and the libraries while holding the GIL, and each request in
+    flight waits it out (the tail of small requests' latency, bench/RESULTS.md). The previous
+    freeze is undone first, so a swapped-out model's cycles are still collected."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
 
 
 def _error(status: int, message: str, retry_after: bool = False) -> Any:
@@ -569,6 +583,7 @@ def serve(ns: argparse.Namespace) -> int:
             server.should_exit = True
             return
         metrics.version.labels(model.version).set(1)
+        settle_memory()
         state.loaded = True
         log(f"ready: {state.name} version {model.version} on http://{ns.host}:{ns.port} "
             f"(/v1/models/{state.name}:predict, /v2/models/{state.name}/infer, /metrics)")  # fmt: skip
