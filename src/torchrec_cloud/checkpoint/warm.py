@@ -3,9 +3,6 @@ dataset's vocabulary must descend from the checkpoint's (:func:`check_descent`);
 vocabulary reused for new ids start fresh (:func:`reset_rows`), and tables it grew keep their
 saved rows.
 
-Tables that grew since a checkpoint: what a warm start loads when the day's dataset admitted
-ids into rows the parent's tables did not have.
-
 A vocabulary that grows (``data preprocess --vocab_from``, :mod:`torchrec_cloud.data.vocab`)
 keeps every old id on its row and gives new ids the rows after them, so a table's first rows
 are the parent's and its last ones are new. DCP loads a saved tensor only into one of the same
@@ -28,18 +25,17 @@ if TYPE_CHECKING:
     import torch
 
 
-def flat_leaves(state: dict[str, Any], prefix: str = "") -> dict[str, tuple[dict, str, Any]]:
-    """Every tensor of a nested state dict by DCP's flattened key (the dotted path), with the
-    dict that holds it and its key there."""
+def flat_leaves(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Every tensor of a nested state dict by DCP's flattened key (the dotted path)."""
     import torch
 
-    out: dict[str, tuple[dict, str, Any]] = {}
+    out: dict[str, Any] = {}
     for key, value in state.items():
         path = f"{prefix}{key}"
         if isinstance(value, dict):
             out.update(flat_leaves(value, f"{path}."))
         elif isinstance(value, torch.Tensor):
-            out[path] = (state, key, value)
+            out[path] = value
     return out
 
 
@@ -48,12 +44,11 @@ def grown_tensors(state: dict[str, Any], metadata: Any) -> dict[str, torch.Size]
     index) has fewer rows than today's and is otherwise the same: key -> saved shape. Raises
     ValueError naming the first tensor whose shape changed in any other way."""
     import torch
-
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     saved = metadata.state_dict_metadata
     grown: dict[str, torch.Size] = {}
-    for key, (_, _, tensor) in flat_leaves(state).items():
+    for key, tensor in flat_leaves(state).items():
         entry = saved.get(key)
         if not isinstance(entry, TensorStorageMetadata):
             continue  # DCP's own check names a missing key
@@ -82,8 +77,7 @@ def stand_ins(state: dict[str, Any], grown: dict[str, torch.Size]) -> tuple[dict
             if isinstance(value, dict):
                 out[key] = copy(value, f"{path}.")
             elif path in grown:
-                dtype = value.dtype
-                made[path] = out[key] = torch.zeros(grown[path], dtype=dtype)
+                made[path] = out[key] = torch.zeros(grown[path], dtype=value.dtype)
             else:
                 out[key] = value
         return out
@@ -98,8 +92,7 @@ def copy_rows(state: dict[str, Any], made: dict[str, torch.Tensor]) -> int:
     leaves = flat_leaves(state)
     done = 0
     for key, whole in made.items():
-        _, _, target = leaves[key]
-        for piece, offsets in local_pieces(target):
+        for piece, offsets in local_pieces(leaves[key]):
             row0 = offsets[0]
             n = min(piece.shape[0], whole.shape[0] - row0)
             if n <= 0:
