@@ -40,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import os
 import sys
 import time
 from typing import Any, Optional, Sequence

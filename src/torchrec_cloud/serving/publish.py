@@ -38,7 +38,6 @@ Two publishes to one root at the same moment both write their versions; the late
 from __future__ import annotations
 
 import datetime
-import os
 from typing import Any, Optional
 
 from torchrec_cloud import checksum, storage
