@@ -28,7 +28,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+
+from torchrec_cloud.ports import free_port  # noqa: E402
 
 # wrk's Lua: POST the body file; at the end one JSON line of the figures wrk measured.
 WRK_SCRIPT = """
@@ -63,12 +64,6 @@ def cli(*args: str, env: dict | None = None) -> str:
     if proc.returncode != 0:
         raise SystemExit(f"torchrec-cloud {' '.join(args[:2])}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
     return proc.stdout
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_model(folder: Path) -> Path:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from torchrec_cloud.ports import free_port  # noqa: F401  (the tests' free ports, one rule)
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -41,12 +42,6 @@ def with_speedups(model, device: str = "cpu"):
 
     Speedups.for_model(torch.device(device)).apply_to_model(model)
     return model
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env_for_subprocess() -> dict[str, str]:

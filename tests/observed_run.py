@@ -12,7 +12,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,13 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from torchrec_cloud.ports import free_port
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_get(url: str, timeout: float = 5.0) -> str:
@@ -146,19 +141,6 @@ TINY_MODEL = [
 _cache: dict[str, ObservedRun] = {}
 
 
-def free_port_pair() -> int:
-    """A port P with P and P + 1 both free (the two local ranks of a run)."""
-    for _ in range(50):
-        port = free_port()
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
-
-
 def observed_run(tmp_path_factory) -> ObservedRun:
     """Train 80 steps of a tiny planted-data model on 2 ranks (torchrun, gloo) with
     ``--prometheus_port``; a Prometheus server scrapes both ranks' endpoints 4x a second.
@@ -171,7 +153,7 @@ def observed_run(tmp_path_factory) -> ObservedRun:
         return _cache["run"]
     work = tmp_path_factory.mktemp("observed")
     binary = prometheus_binary()
-    metrics_port = free_port_pair()
+    metrics_port = free_port(2)
     out = work / "run"
     targets = [f"127.0.0.1:{metrics_port}", f"127.0.0.1:{metrics_port + 1}"]
     with PrometheusServer(

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,8 @@ import urllib.request
 import uuid
 from pathlib import Path
 from typing import Optional
+
+from torchrec_cloud.ports import free_port  # noqa: F401  (the tests' free ports, one rule)
 
 AZURITE_VERSION = "3.37.0"
 # Azurite's well-known development account (public, documented by Microsoft).
@@ -41,12 +42,6 @@ AZURITE_KEY = (
 
 class ServiceError(RuntimeError):
     """A test service could not be installed or started."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tools_dir() -> Path:

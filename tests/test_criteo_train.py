@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from torchrec_cloud import storage
 from torchrec_cloud.cli import main
+from torchrec_cloud.ports import free_port
 from torchrec_cloud.data.criteo_gen import write_criteo_tsv
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,9 +26,7 @@ def run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
 
 
 def torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     return run([PYTHON, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
                 "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", *args])
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -139,9 +138,7 @@ def test_cloudwatch_declarations_cover_every_exported_metric() -> None:
     declarations = cw["logs"]["metrics_collected"]["prometheus"]["emf_processor"]["metric_declaration"]
     added_by_scrape = {"ClusterName", "Namespace", "torchrec_job"}  # agent + relabel rules
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     sink = PrometheusSink(port, host="127.0.0.1", rank=0, system_metrics_interval=60)
     try:
         sink.log({"event": "start", "time": 1.0, "world_size": 1, "bayes_auc": 0.8})

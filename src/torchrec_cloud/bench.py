@@ -49,6 +49,7 @@ from typing import Any, Callable
 import torch
 
 from torchrec_cloud.precision import PRECISIONS, precision_context
+from torchrec_cloud.ports import free_port
 
 QUICKSTART_ARGS = ["--preset", "quickstart", "--synthetic", "random", "--no-progress", "--no-tensorboard"]
 
@@ -326,11 +327,7 @@ def _run_worker(which: str, train_args: list[str], steps: int, warmup: int, npro
     worker = ["-m", "torchrec_cloud", "bench", "--worker", which, "--steps", str(steps), "--warmup", str(warmup),
               "--precision", precision, "--", *train_args]  # fmt: skip
     if nproc > 1:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", *worker]  # fmt: skip
     else:

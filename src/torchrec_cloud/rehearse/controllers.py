@@ -21,7 +21,8 @@ import re
 import time
 from typing import Any, Callable, Optional
 
-from torchrec_cloud.rehearse.pods import Attempt, PodTemplate, PodZeroAddress, Pods, free_port
+from torchrec_cloud.ports import free_port
+from torchrec_cloud.rehearse.pods import Attempt, PodTemplate, PodZeroAddress, Pods
 
 
 class Controller:

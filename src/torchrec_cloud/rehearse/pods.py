@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from torchrec_cloud.config import ConfigError
+from torchrec_cloud.ports import free_port
 
 MARKER = "TORCHREC_CLOUD_REHEARSAL_POD"
 
@@ -64,12 +65,6 @@ class Attempt:
         return f"pod {self.index} (attempt {self.number})"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def expand(text: str, env: dict[str, str]) -> str:
     """Kubernetes' ``$(VAR)`` expansion: defined variables are replaced, ``$$`` is ``$``, the
     rest stays as written."""
@@ -98,16 +93,17 @@ def resolve_env(entries: list[dict[str, Any]], metadata: dict[str, dict[str, str
 
 def local_argv(argv: list[str], endpoint: Optional[str], rendezvous: str) -> tuple[list[str], Optional[int]]:
     """The pod's argv on this host: the rendezvous endpoint on 127.0.0.1, the metrics
-    endpoint on a free port of 127.0.0.1, kept for a second after the run (the rehearsal's
-    scrapes, not a collector's interval)."""
+    endpoint on free ports of 127.0.0.1 (local rank r serves on the port + r), kept for a
+    second after the run (the rehearsal's scrapes, not a collector's interval)."""
     out: list[str] = []
     port = None
+    nproc = re.search(r"--nproc_per_node[= ](\d+)", " ".join(argv))
     for i, arg in enumerate(argv):
         if endpoint:
             arg = arg.replace(endpoint, rendezvous)
         previous = argv[i - 1] if i else ""
         if previous == "--prometheus_port":
-            port = free_port()
+            port = free_port(max(int(nproc.group(1)), 1) if nproc else 1)
             out += [str(port), "--metrics_host", "127.0.0.1"]
             continue
         out.append("1" if previous == "--prometheus_linger" else arg)
