@@ -267,8 +267,6 @@ def preprocess_context(spec: DeploySpec, profile: Profile) -> dict[str, Any]:
     """``--job preprocess``: ``data preprocess`` over ``spec.nodes`` pods of an Indexed Job,
     one share of the inputs each (its JOB_COMPLETION_INDEX), on CPU nodes: the profile's
     ``preprocess`` requests and limits, no GPU; the storage, identity and image of training."""
-    from torchrec_cloud.launch import EXIT_CONFIG
-
     grace = spec.grace_period_s or profile.termination_grace_period_s
     # Shares are independent: several may share a node.
     ctx = workload_context(spec, profile, None, grace, one_per_node=False)
@@ -281,35 +279,19 @@ def preprocess_context(spec: DeploySpec, profile: Profile) -> dict[str, Any]:
     # --workers: the whole CPUs of the request, at least 1.
     cpus = _millicores(settings["requests"]["cpu"], f"profile {profile.name!r}, preprocess") // 1000
     args = spec.preprocess_args(workers=max(cpus, 1))
-    identity = profile.identity or {}
-    ctx.update({
-        "pod_labels": {**ctx["labels"], **identity.get("pod_labels", {}), **profile.pod_labels},
-        "pod_annotations": dict(profile.pod_annotations),
-        "env": [],
-        "resources": resources,
-        "backoff_limit": spec.backoff_limit if spec.backoff_limit is not None else profile.backoff_limit,
-        "preprocess_command": PREPROCESS_COMMAND,
-        "preprocess_args": args,
-        "exit_config": EXIT_CONFIG,
-        "monitoring": None,
-        # Nothing connects to a preprocessing pod: no ingress at all.
-        "network_policy": _network_policy(spec, profile, None, 0, ctx["selector"], ctx["labels"], peers=False),
-    })  # fmt: skip
-    ctx["container_spec"] = _container_spec(ctx, ports=[])
-    return ctx
+    ctx.update({"env": [], "resources": resources, "preprocess_command": PREPROCESS_COMMAND, "preprocess_args": args})
+    return _closed_pod(ctx, spec, profile)
 
 
 def daily_context(spec: DeploySpec, profile: Profile) -> dict[str, Any]:
     """``--job daily``: a CronJob of one pod, on the training instance (its GPUs, requests and
     storage), running :func:`daily_script`; its days under ``OUTPUT_ROOT/daily``."""
-    from torchrec_cloud.launch import EXIT_CONFIG
     from torchrec_cloud.serving.publish import DEFAULT_TOLERANCE
 
     instance = _instance(spec, profile)
     grace = spec.grace_period_s or profile.termination_grace_period_s
     ctx = workload_context(spec, profile, instance, grace)
     root = f"{ctx['output_root']}/daily"
-    identity = profile.identity or {}
     env = {**profile.env, **(instance.env if instance is not None else {}), GRACE_ENV: grace,
            "DAILY_ROOT": root, "DAILY_SCHEMA": f"{root}/schema.yaml", "DAILY_INPUT": f"{root}/input"}  # fmt: skip
     train = ["torchrec-cloud", "train"] if spec.procs == 1 else \
@@ -323,14 +305,25 @@ def daily_context(spec: DeploySpec, profile: Profile) -> dict[str, Any]:
         "daily_root": root,
         "daily_script": script,
         "daily_command": ["bash", "-c", script],
-        "pod_labels": {**ctx["labels"], **identity.get("pod_labels", {}), **profile.pod_labels},
-        "pod_annotations": dict(profile.pod_annotations),
         "env": [{"name": k, "value": str(v)} for k, v in env.items()],
         "resources": _resources(spec, profile, instance, ctx["rdma"]),
+    })  # fmt: skip
+    return _closed_pod(ctx, spec, profile)
+
+
+def _closed_pod(ctx: dict[str, Any], spec: DeploySpec, profile: Profile) -> dict[str, Any]:
+    """What a pod of one of the jobs nothing connects to (a preprocessing share, the daily
+    job) takes from the profile: its labels and annotations, the backoff limit, the exit code
+    of a refused configuration, no monitoring and no ingress at all."""
+    from torchrec_cloud.launch import EXIT_CONFIG
+
+    identity = profile.identity or {}
+    ctx.update({
+        "pod_labels": {**ctx["labels"], **identity.get("pod_labels", {}), **profile.pod_labels},
+        "pod_annotations": dict(profile.pod_annotations),
         "backoff_limit": spec.backoff_limit if spec.backoff_limit is not None else profile.backoff_limit,
         "exit_config": EXIT_CONFIG,
         "monitoring": None,
-        # Nothing connects to the daily pod: no ingress at all.
         "network_policy": _network_policy(spec, profile, None, 0, ctx["selector"], ctx["labels"], peers=False),
     })  # fmt: skip
     ctx["container_spec"] = _container_spec(ctx, ports=[])
