@@ -108,6 +108,9 @@ def test_mostly_zero_and_few_valued_columns_get_useful_quantile_boundaries(shop)
     assert bounds["visits"] == [0.5, 1.5, 2.5, 3.5]  # 5 distinct values: one bucket each
     # Age (boundaries: label, the default): the band 30..39 that moves the label, nothing else.
     assert bounds["age"] == [29.5, 39.5]
+    # The manifest's schema keeps which way each column's boundaries were chosen (None: quantiles).
+    assert {f.name: f.boundaries for f in ds.schema.sparse if f.mapping == "bucketize"} == {
+        "amount": None, "age": "label", "visits": None}
     # The table rows as stored: row 0 for a missing amount, row 1 for a zero.
     transforms = ds.transforms()
     enc = transforms.encode(train.slice(0, 200), None)
