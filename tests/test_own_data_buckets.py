@@ -4,9 +4,12 @@ mostly-zero amount, an age, a small count and a string outcome (``purchase``, ``
 
 One module-scoped run does the expensive part once: preprocess (split by input file),
 train one process a few steps, export. The tests read it: predict on the raw test file gives
-exactly the run's test AUC, the mostly-zero and few-valued columns get useful boundaries, the
-labels are the outcomes the schema names. Beside it: bad bucketize and label specs, each one
-line."""
+exactly the run's test AUC, the mostly-zero and few-valued columns get useful quantile
+boundaries, the label's boundaries sit at the age band's steps, the labels are the outcomes
+the schema names. A second, smaller preprocessing run (CSV, a planted step, no training)
+shows label boundaries landing at the step where quantiles do not, counted on training rows
+only, and the counts files' positives checked when read back. Beside them: bad bucketize and
+label specs, each one line."""
 
 from __future__ import annotations
 
@@ -27,9 +30,9 @@ SCHEMA = """
 name: shop
 label: {column: outcome, positive: [purchase, subscribe, 7]}
 dense:
-  - {name: amount, transform: bucketize, keep_dense: log1p}
+  - {name: amount, transform: bucketize, keep_dense: log1p, boundaries: quantiles}
   - {name: age, transform: bucketize, buckets: 16}
-  - {name: visits, transform: bucketize, keep_dense: true}
+  - {name: visits, transform: bucketize, keep_dense: true, boundaries: quantiles}
 sparse:
   - {name: country, type: string, mapping: vocab, num_embeddings: 10}
 """
@@ -87,7 +90,7 @@ def test_predict_on_raw_rows_with_buckets_and_string_labels_equals_the_run(shop,
     assert result["logloss"] == pytest.approx(test["logloss"], rel=1e-5)
 
 
-def test_mostly_zero_and_few_valued_columns_get_useful_boundaries(shop):
+def test_mostly_zero_and_few_valued_columns_get_useful_quantile_boundaries(shop):
     from torchrec_cloud.data.buckets import bucket_rows
     from torchrec_cloud.data.dataset import load_dataset
 
@@ -102,9 +105,12 @@ def test_mostly_zero_and_few_valued_columns_get_useful_boundaries(shop):
     assert len(bounds["amount"]) >= 20 and bounds["amount"][0] < nonzero.min()
     share = np.bincount(bucket_rows(nonzero, np.asarray(bounds["amount"]))) / len(nonzero)
     assert share.max() < 0.1, share
-    age = train.column("age").to_numpy().astype(np.float64)  # 62 distinct ages, 16 buckets of about equal rows
-    assert 12 <= len(bounds["age"]) <= 15 and np.bincount(bucket_rows(age, np.asarray(bounds["age"]))).max() < 0.12 * len(age)
     assert bounds["visits"] == [0.5, 1.5, 2.5, 3.5]  # 5 distinct values: one bucket each
+    # Age (boundaries: label, the default): the band 30..39 that moves the label, nothing else.
+    assert bounds["age"] == [29.5, 39.5]
+    # The manifest's schema keeps which way each column's boundaries were chosen (None: quantiles).
+    assert {f.name: f.boundaries for f in ds.schema.sparse if f.mapping == "bucketize"} == {
+        "amount": None, "age": "label", "visits": None}
     # The table rows as stored: row 0 for a missing amount, row 1 for a zero.
     transforms = ds.transforms()
     enc = transforms.encode(train.slice(0, 200), None)
@@ -153,6 +159,12 @@ BAD = {
                             "dense: needs at least one dense feature"),
     "bucket name taken": ("dense: [{name: u, transform: bucketize, keep_dense: true}]",
                           "sparse: the name u is used twice (a bucketized dense feature is also a sparse feature"),
+    "boundaries: median": ("dense: [{name: a, transform: bucketize, keep_dense: true, boundaries: median}]",
+                           "dense[0].boundaries: must be one of 'label', 'quantiles', got median"),
+    "boundaries on log1p": ("dense: [{name: a, transform: log1p, boundaries: label}]",
+                            "dense[0].boundaries: applies to transform: bucketize only"),
+    "boundaries on a hashed id": ("dense: [{name: b}]\nsparse: [{name: u, num_embeddings: 9, boundaries: label}]",
+                                  "sparse[0].boundaries: applies to mapping: bucketize only"),
     "bucketize a list": ("dense: [{name: b}]\nsparse: [{name: u, num_embeddings: 9}, {name: t, mapping: bucketize, "
                          "list: true, num_embeddings: 9}]", "sparse[1].list: bucketize reads one number per row"),
     "number ids hashed": ("dense: [{name: b}]\nsparse: [{name: u, type: number, num_embeddings: 9}]",
@@ -203,3 +215,126 @@ def test_data_schema_proposes_buckets_for_numbers(shop, capsys, tmp_path):
     assert [f.name for f in schema.sparse if f.mapping == "bucketize"] == ["amount", "age", "visits"], out.read_text()
     assert {f.name: f.transform for f in schema.dense} == {"amount": "log1p", "age": "standardize",
                                                            "visits": "standardize"}, out.read_text()  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------
+# Boundaries chosen with the label, on a planted step.
+
+STEP = 30.0
+STEP_SCHEMA = """
+name: step
+label: {column: y}
+dense:
+  - {name: x, transform: bucketize, buckets: 4, keep_dense: true}
+  - {name: xq, column: x, transform: bucketize, buckets: 4, boundaries: quantiles}
+sparse:
+  - {name: u, type: string, mapping: hash, num_embeddings: 8}
+"""
+
+
+def step_rows(n: int, day: int, step: float, seed: int) -> list[str]:
+    """CSV lines: ``x`` uniform in [0, 100) (5% missing), ``y`` drawn with probability 0.25
+    at or below ``step`` and 0.6 above it."""
+    rng = np.random.default_rng(seed)
+    x = np.round(rng.random(n) * 100, 2)
+    y = (rng.random(n) < np.where(x > step, 0.6, 0.25)).astype(int)
+    missing = rng.random(n) < 0.05
+    return [f"{day},{'' if m else v},{k},u{i % 3}" for i, (v, k, m) in enumerate(zip(x, y, missing))]
+
+
+@pytest.fixture(scope="module")
+def step(tmp_path_factory):
+    """4,000 training rows (day 0) whose label steps at x = 30; the validation and test days
+    step at 70 instead, so boundaries counted on them would show it. Preprocessed only."""
+    root = tmp_path_factory.mktemp("step")
+    lines = step_rows(4000, 0, STEP, 0) + step_rows(500, 1, 70.0, 1) + step_rows(500, 2, 70.0, 2)
+    (root / "rows.csv").write_text("day,x,y,u\n" + "\n".join(lines) + "\n")
+    (root / "schema.yaml").write_text(STEP_SCHEMA)
+    assert main(["data", "preprocess", "--no_progress", "--schema", str(root / "schema.yaml"), "--input",
+                 str(root / "rows.csv"), "--output", str(root / "data"), "--split_by", "day", "--val_from", "1",
+                 "--test_from", "2"]) == 0  # fmt: skip
+    return root
+
+
+def training_x(root) -> tuple[np.ndarray, np.ndarray]:
+    import pyarrow.csv as pcsv
+
+    t = pcsv.read_csv(root / "rows.csv")
+    train = t.filter(pa.compute.equal(t.column("day"), 0))
+    x = train.column("x").to_numpy(zero_copy_only=False).astype(np.float64)
+    return x, train.column("y").to_numpy().astype(np.int64)
+
+
+def test_label_boundaries_land_at_a_planted_step_where_quantiles_do_not(step):
+    from torchrec_cloud.data.buckets import FINE_BINS, boundaries
+    from torchrec_cloud.data.dataset import load_dataset
+
+    bounds = load_dataset(str(step / "data")).boundaries
+    x, _ = training_x(step)
+    values, counts = np.unique(x[~np.isnan(x)], return_counts=True)
+    fine = np.asarray(boundaries(values, counts, FINE_BINS))  # the thresholds a label split may take
+    at = np.searchsorted(fine, STEP)
+    near = (fine[max(at - 2, 0)], fine[min(at + 1, len(fine) - 1)])  # within one fine bin of the step
+    assert any(near[0] <= b <= near[1] for b in bounds["x"]), (bounds["x"], near)
+    # Nothing where only the validation and test days step: boundaries come from training rows.
+    assert not any(60 <= b <= 80 for b in bounds["x"]), bounds["x"]
+    # The same column's quantile boundaries split it in four equal parts, far from the step.
+    assert len(bounds["xq"]) == 3 and not any(near[0] - 1 <= b <= near[1] + 1 for b in bounds["xq"]), bounds["xq"]
+
+
+def test_counts_files_keep_each_values_positives_from_training_rows(step):
+    from torchrec_cloud.data.buckets import Summary, label_boundaries
+    from torchrec_cloud.data.dataset import load_dataset
+
+    doc = json.loads((step / "data" / "_counts" / "00000-rows.json").read_text())
+    x, y = training_x(step)
+    known = ~np.isnan(x)
+    summary = doc["summaries"]["x"]
+    values, inverse = np.unique(x[known], return_inverse=True)
+    assert summary["values"] == values.tolist()
+    assert summary["weights"] == np.bincount(inverse).tolist()
+    assert summary["positives"] == np.bincount(inverse, weights=y[known]).astype(int).tolist()
+    # Read back, they give the boundaries the manifest holds.
+    s = Summary()
+    s.merge(summary["values"], summary["weights"], summary["positives"])
+    assert label_boundaries(s.values, s.weights, s.positives, 4) == load_dataset(str(step / "data")).boundaries["x"]
+
+
+DAMAGED = {
+    "more positives than rows": (lambda s: s["positives"].__setitem__(3, s["weights"][3] + 1),
+                                 "summaries.x.positives[3]: more positive labels"),
+    "negative": (lambda s: s["positives"].__setitem__(0, -1), "summaries.x.positives[0]: must be an integer"),
+    "not an integer": (lambda s: s["positives"].__setitem__(1, 0.5), "summaries.x.positives[1]: must be an integer"),
+    "one short": (lambda s: s["positives"].pop(), "summaries.x: values, weights and positives differ in length"),
+    "missing": (lambda s: s.pop("positives"), "summaries.x.positives"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(DAMAGED))
+def test_a_damaged_positives_entry_in_a_counts_file_is_refused_in_one_line(step, case, capsys, tmp_path):
+    damage, expected = DAMAGED[case]
+    doc = json.loads((step / "data" / "_counts" / "00000-rows.json").read_text())
+    damage(doc["summaries"]["x"])
+    (tmp_path / "out" / "_counts").mkdir(parents=True)
+    (tmp_path / "out" / "_counts" / "00000-rows.json").write_text(json.dumps(doc))  # as another share wrote it
+    rc, out, err = cli(capsys, "data", "preprocess", "--no_progress", "--schema", str(step / "schema.yaml"), "--input",
+                       str(step / "rows.csv"), "--output", str(tmp_path / "out"), "--split_by", "day", "--val_from", "1",
+                       "--test_from", "2")  # fmt: skip
+    assert rc != 0 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "00000-rows.json" in lines[0] and expected in lines[0], (case, err)
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_a_compressed_summary_keeps_its_rows_and_positives():
+    from torchrec_cloud.data.buckets import Summary
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=5000)
+    y = (rng.random(5000) < 0.3).astype(np.int64)
+    s = Summary(points=64)
+    for k in range(0, 5000, 500):
+        s.add(x[k:k + 500], y[k:k + 500])
+    assert len(s.values) <= 128  # compressed: memory bounded whatever the rows
+    assert s.weights.sum() == 5000 and s.positives.sum() == y.sum()
+    assert (0 <= s.positives).all() and (s.positives <= s.weights).all()

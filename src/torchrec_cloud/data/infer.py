@@ -19,8 +19,12 @@ string, and escaped in comments, so no name can add a line of its own. Rules, in
 - integers named like ids (``id``, ``..._id``, ``...Id``, ``user``, ``item``, ``category``,
   ``zip``, ...) are sparse, other numbers dense (``log1p`` when non-negative and skewed,
   else ``standardize``); a number with more than two distinct values is also bucketized
-  (``transform: bucketize`` keeping that as its dense input), so that thresholds in it are
-  learned as steps (bench/RESULTS.md measures what that gains on such data).
+  (``transform: bucketize`` with its default ``boundaries: label``, at most
+  ``PROPOSED_BUCKETS`` buckets, keeping that as its dense input), so that thresholds in it are
+  learned as steps. On data whose label steps in numbers (bench/RESULTS.md, issue #39) this
+  reached LightGBM; 64 buckets found the same boundaries (the label's steps are fewer than 32)
+  and the same AUC within what tables' initial values move, so the proposal keeps the smaller
+  tables; 64 quantile buckets, the proposal before label boundaries, stayed under it.
 """
 
 from __future__ import annotations
@@ -35,12 +39,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from torchrec_cloud import storage
-from torchrec_cloud.data.schema import Schema
+from torchrec_cloud.data.schema import DEFAULT_BUCKETS, Schema
 from torchrec_cloud.data.tabular import Input, kind
 from torchrec_cloud.untrusted import shown
 
 SAMPLE_ROWS = 100_000
-PROPOSED_BUCKETS = 64
+PROPOSED_BUCKETS = DEFAULT_BUCKETS
 LABEL_NAMES = ("label", "click", "clicked", "is_click", "clk", "target", "y", "converted", "conversion", "purchase",
                "purchased", "liked", "like")  # fmt: skip
 RATING_NAMES = ("rating", "score", "stars", "grade")
@@ -234,7 +238,7 @@ def propose(path: str, rows: int = SAMPLE_ROWS) -> tuple[str, list[str]]:
         name = _ident(c.name, taken)
         if c.distinct > 2:
             dense.append(f"  - {{name: {name}, {spec}transform: bucketize, buckets: {PROPOSED_BUCKETS}, keep_dense: "
-                         f"{transform}}}  # bucketized: thresholds learned as steps; kept as {transform}: {why}; {c.describe()}")  # fmt: skip
+                         f"{transform}}}  # bucketized where the training label steps; kept as {transform}: {why}; {c.describe()}")  # fmt: skip
             continue
         dense.append(f"  - {{name: {name}, {spec}transform: {transform}}}  # {why}; {c.describe()}")
     lines += ["", "dense:"] + (dense or ["  []  # no numeric column: a model needs at least one dense feature"])

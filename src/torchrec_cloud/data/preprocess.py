@@ -8,8 +8,8 @@ the schema's transforms (:mod:`~torchrec_cloud.data.transforms`)::
         --output s3://bucket/events-shards --split_by ts --val_from 2024-03-01 --test_from 2024-03-15
 
 Two passes over each input: counting (vocabularies, the mean and spread of ``standardize``
-features and a summary of each bucketized column's values for its boundaries
-(:mod:`~torchrec_cloud.data.buckets`), over training rows only; skipped when the schema needs
+features and a summary of each bucketized column's values, with their positive labels, for
+its boundaries (:mod:`~torchrec_cloud.data.buckets`), over training rows only; skipped when the schema needs
 none of them),
 then converting. Each input's counts and each shard are committed by a file of their own, so
 the same command run again after an interruption does only what is missing.
@@ -53,7 +53,7 @@ from torchrec_cloud.data.dataset import (
     load_dataset,
     record_section,
 )
-from torchrec_cloud.data.buckets import Summary, boundaries
+from torchrec_cloud.data.buckets import Summary, boundaries, label_boundaries
 from torchrec_cloud.data.conversion import PLAN, prepare, run_each  # noqa: F401 (PLAN: where a run's plan is)
 from torchrec_cloud.data.schema import Schema, Split
 from torchrec_cloud.data.tabular import BadRowError, Caps, Input
@@ -223,11 +223,13 @@ def count_input(opts: Options, source: int, report: Callable[[int], None] = lamb
     reader = _Reader(opts, source, counting, report)
     train_rows = 0
     for _, table, enc in reader.batches():
-        train = enc.kept[enc.split == SPLIT_CODES["train"]]
+        training = enc.split == SPLIT_CODES["train"]
+        train = enc.kept[training]
         train_rows += len(train)
         if not len(train):
             continue
         rows = table.take(pa.array(train))
+        labels = enc.records["label"][training]
         for f in vocab_features:
             column = _texts(rows.column(f.column))
             values = pc.list_flatten(_list_array(column, f)) if f.list else column
@@ -239,7 +241,7 @@ def count_input(opts: Options, source: int, report: Callable[[int], None] = lamb
             for v, c in zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist()):
                 acc[v] = acc.get(v, 0) + c
         for f in bucket_features:
-            summaries[f.name].add(_numbers(rows.column(f.column), f.column).values)
+            summaries[f.name].add(_numbers(rows.column(f.column), f.column).values, labels)
         for f in moment_features:
             x = _numbers(rows.column(f.column), f.column).values
             x = x[~np.isnan(x)]
@@ -300,25 +302,36 @@ def merge_counts(opts: Options, previous: Optional[vocab.Previous] = None) -> tu
         if summaries:
             got = doc.obj("summaries")
             for name, summary in summaries.items():
-                values, weights = _summary(got.obj(name), summary.points)
-                summary.merge(values, weights)
+                summary.merge(*_summary(got.obj(name), summary.points))
     grown = vocab.grow(schema, totals, previous)
     stats = {}
     for name, (n, mean, m2) in moments.items():
         std = float(np.sqrt(m2 / n)) if n else 1.0
         stats[name] = {"mean": float(mean), "std": std if std > 0 else 1.0, "count": int(n)}
-    bounds = {f.name: boundaries(summaries[f.name].values, summaries[f.name].weights, f.num_embeddings - 1)
-              for f in schema.sparse if f.mapping == "bucketize"}  # fmt: skip
+    bounds = {}
+    for f in schema.sparse:
+        if f.mapping == "bucketize":
+            s = summaries[f.name]
+            if f.boundaries == "label":
+                bounds[f.name] = label_boundaries(s.values, s.weights, s.positives, f.num_embeddings - 1)
+            else:
+                bounds[f.name] = boundaries(s.values, s.weights, f.num_embeddings - 1)
     return grown, stats, bounds
 
 
-def _summary(e: Fields, points: int) -> tuple[list[float], list[int]]:
-    """An input's summary of a bucketized column (:class:`~torchrec_cloud.data.buckets.Summary`), checked."""
+def _summary(e: Fields, points: int) -> tuple[list[float], list[int], list[int]]:
+    """An input's summary of a bucketized column (:class:`~torchrec_cloud.data.buckets.Summary`),
+    checked: finite values, integer counts, each value's positives an integer from 0 to its count."""
     values = [number(v, e.file, f"{e.field('values')}[{i}]") for i, v in enumerate(e.list("values", 6 * points))]
     weights = e.ints("weights", 6 * points, hi=MAX_ROWS)
-    if len(values) != len(weights):
-        raise UntrustedInputError(e.file, e.path, "values and weights differ in length")
-    return values, weights
+    positives = e.ints("positives", 6 * points, hi=MAX_ROWS)
+    if not len(values) == len(weights) == len(positives):
+        raise UntrustedInputError(e.file, e.path, "values, weights and positives differ in length")
+    for i, (k, n) in enumerate(zip(positives, weights)):
+        if k > n:
+            raise UntrustedInputError(e.file, f"{e.field('positives')}[{i}]",
+                                      f"more positive labels ({k}) than rows ({n}) at the value {shown(values[i])}")  # fmt: skip
+    return values, weights, positives
 
 
 def _vocab_bytes(name: str, values: list) -> bytes:

@@ -7,7 +7,7 @@ what ``torchrec-cloud data schema --input URL`` proposes, :mod:`~torchrec_cloud.
     dense:
       - {name: price, transform: log1p}         # none | log1p | standardize | bucketize; fill: 0 or mean
       - {name: age, transform: standardize}
-      - {name: amount, transform: bucketize, buckets: 32, keep_dense: true}
+      - {name: amount, transform: bucketize, buckets: 32, keep_dense: true}   # boundaries: label | quantiles
     sparse:
       - {name: user_id, type: string, mapping: vocab, num_embeddings: 100000, min_count: 2, evict_after: 30}
       - {name: item_id, type: int, mapping: hash, num_embeddings: 50000}
@@ -33,6 +33,7 @@ from torchrec_cloud.untrusted import Fields, UntrustedInputError, number, read_y
 FORMAT = "torchrec-cloud-schema"
 TRANSFORMS = ("none", "log1p", "standardize")
 MAPPINGS = ("hash", "vocab", "modulo", "bucketize")
+BOUNDARIES = ("label", "quantiles")
 ID_TYPES = ("string", "int")
 DEFAULT_BUCKETS = 32
 MAX_BUCKETS = 1024
@@ -86,6 +87,10 @@ class Sparse:
     """``vocab`` with ``data preprocess --vocab_from``: a full table first evicts ids unseen for
     this many generations (one ``--vocab_from`` step each; None: the least counted only;
     :mod:`~torchrec_cloud.data.vocab`)."""
+    boundaries: Optional[str] = None
+    """``bucketize``: ``label`` (split where the training labels change) or None (quantiles of
+    the training rows: ``boundaries: quantiles``, and every schema written before the field;
+    :mod:`~torchrec_cloud.data.buckets`)."""
 
 
 @dataclass(frozen=True)
@@ -129,9 +134,10 @@ class Schema:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for f in d["sparse"]:  # unset, it is left out: the digests of schemas written before it stay the same
-            if f["evict_after"] is None:
-                del f["evict_after"]
+        for f in d["sparse"]:  # unset, they are left out: the digests of schemas written before them stay the same
+            for key in ("evict_after", "boundaries"):
+                if f[key] is None:
+                    del f[key]
         d["format"] = FORMAT
         d["columns"] = list(self.columns) if self.columns is not None else None
         return d
@@ -208,7 +214,7 @@ def parse_schema(raw: Any, where: str) -> Schema:
     dense, bucketized = [], []
     for i, raw_item in enumerate(_or(d, "dense", [], lambda k: d.list(k, 4096))):
         item = d.at(f"dense[{i}]", raw_item)
-        _keys(item, {"name", "column", "transform", "fill", "buckets", "keep_dense"})
+        _keys(item, {"name", "column", "transform", "fill", "buckets", "keep_dense", "boundaries"})
         n = _ident(item, "name")
         column = _or(item, "column", n, lambda k: item.text(k, 200))
         transform = _or(item, "transform", "none", lambda k: item.text(k, choices=TRANSFORMS + ("bucketize",)))
@@ -217,7 +223,7 @@ def parse_schema(raw: Any, where: str) -> Schema:
             if transform is None:
                 continue
         else:
-            for key in ("buckets", "keep_dense"):
+            for key in ("buckets", "keep_dense", "boundaries"):
                 if item.has(key):
                     raise UntrustedInputError(where, item.field(key), "applies to transform: bucketize only")
         fill = item.data.get("fill", "mean" if transform == "standardize" else 0.0)
@@ -228,7 +234,7 @@ def parse_schema(raw: Any, where: str) -> Schema:
     for i, raw_item in enumerate(_or(d, "sparse", [], lambda k: d.list(k, 4096))):
         item = d.at(f"sparse[{i}]", raw_item)
         _keys(item, {"name", "column", "type", "list", "mapping", "num_embeddings", "min_count", "pooling", "separator",
-                     "max_length", "evict_after"})  # fmt: skip
+                     "max_length", "evict_after", "boundaries"})  # fmt: skip
         n = _ident(item, "name")
         mapping = _or(item, "mapping", "hash", lambda k: item.text(k, choices=MAPPINGS))
         numeric = mapping == "bucketize"
@@ -241,6 +247,8 @@ def parse_schema(raw: Any, where: str) -> Schema:
             raise UntrustedInputError(where, item.field("list"), "bucketize reads one number per row, not a list")
         if item.has("evict_after") and mapping != "vocab":
             raise UntrustedInputError(where, item.field("evict_after"), "applies to mapping: vocab only (other mappings keep no ids)")
+        if item.has("boundaries") and not numeric:
+            raise UntrustedInputError(where, item.field("boundaries"), "applies to mapping: bucketize only")
         sparse.append(Sparse(
             n, _or(item, "column", n, lambda k: item.text(k, 200)), kind, is_list, mapping,
             item.int("num_embeddings", lo=3 if numeric else 2 if mapping == "vocab" else 1,
@@ -250,6 +258,7 @@ def parse_schema(raw: Any, where: str) -> Schema:
             _or(item, "separator", "|", lambda k: item.text(k, 8)),
             item.int("max_length", lo=1, hi=1 << 20, optional=True),
             item.int("evict_after", lo=1, hi=1 << 20, optional=True),
+            _boundaries(item, "quantiles") if numeric else None,
         ))  # fmt: skip
     sparse += bucketized  # a bucketized dense feature's table comes after the id features
     if not dense:
@@ -318,8 +327,16 @@ def _bucketize(item: Fields, name: str, column: str, bucketized: list) -> Option
     if keep is None and item.has("fill"):
         raise UntrustedInputError(item.file, item.field("fill"), "a missing value has a bucket of its own; fill applies "
                                   "to the value kept with keep_dense")  # fmt: skip
-    bucketized.append(Sparse(name, column, "number", False, "bucketize", buckets + 1))
+    bucketized.append(Sparse(name, column, "number", False, "bucketize", buckets + 1, boundaries=_boundaries(item, "label")))
     return keep
+
+
+def _boundaries(item: Fields, default: str) -> Optional[str]:
+    """A bucketized feature's ``boundaries``, as :class:`Sparse` keeps it (quantiles: None).
+    A sparse ``mapping: bucketize`` without the key is quantiles: what a schema stored before
+    the key existed (a manifest, a model folder) was built with."""
+    chosen = _or(item, "boundaries", default, lambda k: item.text(k, choices=BOUNDARIES))
+    return None if chosen == "quantiles" else chosen
 
 
 def _bound(s: Fields, key: str) -> Any:
