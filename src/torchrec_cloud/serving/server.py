@@ -31,6 +31,7 @@ import json
 import math
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -202,11 +203,17 @@ def _check_count(n: int, max_rows: int) -> None:
 
 
 class Metrics:
-    """The server's Prometheus metrics, in a registry of its own (``/metrics``)."""
+    """The server's Prometheus metrics, in a registry of its own (``/metrics``). With
+    ``--workers N`` they are in prometheus_client's multiprocess mode (:mod:`.workers`): each
+    worker's values in files, which a scrape of any worker adds up (``scrape``); the gauges say
+    how (``livesum``: the live workers' sum; ``livemax``: the model version any live worker serves)."""
 
     def __init__(self) -> None:
+        import os
+
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self.registry = r = CollectorRegistry()
         self.requests = Counter("torchrec_serve_requests", "Requests answered, by endpoint and HTTP code",
                                 ["endpoint", "code"], registry=r)  # fmt: skip
@@ -215,21 +222,37 @@ class Metrics:
                                  registry=r, buckets=(.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10))  # fmt: skip
         self.batch_rows = Histogram("torchrec_serve_batch_rows", "Rows per scored batch", registry=r,
                                     buckets=tuple(2.0**k for k in range(15)))  # fmt: skip
-        self.queue_depth = Gauge("torchrec_serve_queue_depth", "Requests waiting to be batched", registry=r)
+        self.queue_depth = Gauge("torchrec_serve_queue_depth", "Requests waiting to be batched", registry=r,
+                                 multiprocess_mode="livesum")  # fmt: skip
         # The name the rendered KEDA ScaledObject queries (deploy/serving.py, INFLIGHT_METRIC).
-        self.in_flight = Gauge("torchrec_cloud_serve_inflight_requests", "Inference requests being handled", registry=r)
-        self.version = Gauge("torchrec_serve_model_version", "1 for the model version being served", ["version"], registry=r)
+        self.in_flight = Gauge("torchrec_cloud_serve_inflight_requests", "Inference requests being handled", registry=r,
+                               multiprocess_mode="livesum")  # fmt: skip
+        self.version = Gauge("torchrec_serve_model_version", "1 for the model version being served", ["version"],
+                             registry=r, multiprocess_mode="livemax")  # fmt: skip
         self.refused = Counter("torchrec_serve_versions_refused", "Model versions refused (failed their checks)", registry=r)
         self.swaps = Counter("torchrec_serve_version_swaps", "Model versions swapped in while serving", registry=r)
+
+    def scrape(self) -> bytes:
+        """The text of ``/metrics``: this process's registry, or every worker's values."""
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        return generate_latest(registry)
 
 
 class State:
     """What the endpoints read: the model served (swapped whole), readiness, the batcher."""
 
-    def __init__(self, ns: argparse.Namespace, model: Any, metrics: Metrics) -> None:
+    def __init__(self, ns: argparse.Namespace, model: Any, metrics: Metrics, worker: Any = None) -> None:
         from torchrec_cloud.serving.batcher import Batcher
 
         self.ns, self.model, self.metrics = ns, model, metrics
+        self.worker = worker  # serving.workers.WorkerInfo of a worker process, else None
+        self._server_ready = worker is None
         self.name = ns.name
         self.loaded = False
         self.draining = False
@@ -240,11 +263,14 @@ class State:
 
     @property
     def ready(self) -> bool:
-        return self.loaded and not self.draining and not self.draining_since
+        if not self._server_ready and self.worker is not None:
+            self._server_ready = self.worker.server_ready()  # every worker loaded: stays so (a replacement loads first)
+        return self.loaded and not self.draining and not self.draining_since and self._server_ready
 
     def swap(self, model: Any) -> None:
         old = self.model
         self.model = model  # the batcher reads it once per batch
+        self.metrics.version.labels(old.version).set(0)  # what a multiprocess scrape keeps of it
         self.metrics.version.remove(old.version)
         self.metrics.version.labels(model.version).set(1)
         self.metrics.swaps.inc()
@@ -265,8 +291,11 @@ class State:
             self.batcher.close()
 
 
+_TAG = "torchrec-cloud serve"  # "torchrec-cloud serve[worker 1]" in a worker process
+
+
 def log(line: str) -> None:
-    print(f"torchrec-cloud serve: {line}", file=sys.stderr, flush=True)
+    print(f"{_TAG}: {line}", file=sys.stderr, flush=True)
 
 
 def settle_memory() -> None:
@@ -289,7 +318,7 @@ def _error(status: int, message: str, retry_after: bool = False) -> Any:
 
 def build_app(state: State) -> Any:
     """The Starlette application: the v2 and v1 endpoints, /metrics, and the access log."""
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    from prometheus_client import CONTENT_TYPE_LATEST
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
@@ -330,7 +359,7 @@ def build_app(state: State) -> Any:
         return JSONResponse({"name": state.name, "ready": state.ready})
 
     async def prometheus(request: Any) -> Any:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.scrape(), media_type=CONTENT_TYPE_LATEST)
 
     def guarded(handler: Any, endpoint: str) -> Any:
         async def run(request: Any) -> Any:
@@ -545,20 +574,40 @@ class AccessLog:
                   file=sys.stderr, flush=True)  # fmt: skip
 
 
+def http_parser() -> str:
+    """uvicorn's HTTP parser: httptools (C, llhttp) when installed (the ``serve`` extra installs
+    it), else h11 (pure Python: more of a small request's CPU time, bench/RESULTS.md)."""
+    import importlib.util
+
+    return "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
+
+
 def serve(ns: argparse.Namespace) -> int:
-    """Load the model in the background, answer requests until SIGTERM, then drain and return 0."""
+    """Load the model in the background, answer requests until SIGTERM, then drain and return 0.
+    With ``--workers N`` (N > 1) this process supervises N worker processes that do this
+    (:mod:`~torchrec_cloud.serving.workers`)."""
+    global _TAG
+    from torchrec_cloud.serving.versions import Follower, first_model, is_root
+    from torchrec_cloud.serving.workers import Supervisor, WorkerInfo, worker_argv
+
+    model = first_model(ns.model, ns.runtime)  # a folder that is no model stops here, before listening
+    if ns.workers > 1:
+        return Supervisor(ns, worker_argv(ns, ns.serve_flags)).run()
+    worker = WorkerInfo.from_env()
     import torch
     import uvicorn
 
     from torchrec_cloud.distributed import _cpu_count
-    from torchrec_cloud.serving.versions import Follower, first_model, is_root
 
-    model = first_model(ns.model, ns.runtime)  # a folder that is no model stops here, before listening
+    if worker is not None:
+        _TAG = f"torchrec-cloud serve[worker {worker.index}]"
+        worker.follow_parent()
     # The event loop parses requests while the batcher's thread scores: torch's threads
-    # spinning on every core would take the loop's core from it.
-    torch.set_num_threads(ns.num_threads or max(1, _cpu_count() - 1))
+    # spinning on every core would take the loop's core from it (from each worker's).
+    workers = 1 if worker is None else worker.workers
+    torch.set_num_threads(ns.num_threads or max(1, (_cpu_count() - workers) // workers))
     metrics = Metrics()
-    state = State(ns, model, metrics)
+    state = State(ns, model, metrics, worker)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
@@ -572,7 +621,7 @@ def serve(ns: argparse.Namespace) -> int:
 
     config = uvicorn.Config(build_app(state), host=ns.host, port=ns.port, access_log=False, log_level="warning",
                             lifespan="off", timeout_graceful_shutdown=ns.grace_s, server_header=False,
-                            proxy_headers=False)  # fmt: skip
+                            proxy_headers=False, http=http_parser())  # fmt: skip
     server = Server(config)
 
     def load() -> None:
@@ -585,8 +634,12 @@ def serve(ns: argparse.Namespace) -> int:
         metrics.version.labels(model.version).set(1)
         settle_memory()
         state.loaded = True
+        tables = f"tables mapped from {model.scorer.mapped}" if model.scorer.mapped else "tables in this process"
         log(f"ready: {state.name} version {model.version} on http://{ns.host}:{ns.port} "
-            f"(/v1/models/{state.name}:predict, /v2/models/{state.name}/infer, /metrics)")  # fmt: skip
+            f"(/v1/models/{state.name}:predict, /v2/models/{state.name}/infer, /metrics; {tables}; "
+            f"HTTP parser {config.http})")  # fmt: skip
+        if worker is not None:
+            worker.report_ready()
         if ns.follow:
             follower = Follower(ns.model, lambda: state.model, state.swap, state.refuse, ns.poll_s, ns.runtime)
             threading.Thread(target=follower.run, name="versions", daemon=True).start()
@@ -594,9 +647,14 @@ def serve(ns: argparse.Namespace) -> int:
     ns.follow = is_root(ns.model)
     batcher = threading.Thread(target=state.batcher.run, name="batcher", daemon=True)
     batcher.start()
-    threading.Thread(target=load, name="load", daemon=True).start()
+    if worker is not None and worker.load_first:  # a replacement: the other workers answer while it loads
+        load()
+    else:
+        threading.Thread(target=load, name="load", daemon=True).start()
+    sockets = None if worker is None else [socket.socket(fileno=worker.listen_fd)]
     try:
-        server.run()
+        if not state.failed:
+            server.run(sockets=sockets)
     except SystemExit:  # uvicorn's answer to an address it cannot bind (it logged why)
         raise ServingError(f"could not listen on {ns.host}:{ns.port} (in use, or not an address of this host)") from None
     finally:
@@ -631,6 +689,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="torch threads that score a batch (0: the cores less one for the HTTP side, at least 1)")  # fmt: skip
     parser.add_argument("--grace_s", type=float, default=25.0,
                         help="on SIGTERM, how long queued and in-flight requests have to finish")  # fmt: skip
+    parser.add_argument("--workers", type=int, default=1,
+                        help="worker processes answering on the one port, each with its batcher, sharing the "
+                             "mapped tables (docs/serving.md: when to raise it)")  # fmt: skip
+    parser.set_defaults(serve_flags=[a.dest for a in parser._actions if a.option_strings and a.dest != "help"])
     return parser
 
 
@@ -639,6 +701,8 @@ def _main(ns: argparse.Namespace) -> int:
         raise ConfigError("name", f"must be letters, digits, '_', '.', '-' (at most 64), got {ns.name[:70]!r}")
     if not 0 <= ns.port <= 65535:
         raise ConfigError("port", f"must be 0..65535, got {ns.port}")
+    if ns.workers < 1:
+        raise ConfigError("workers", f"must be >= 1, got {ns.workers}")
     if ns.num_threads < 0:
         raise ConfigError("num_threads", f"must be >= 0 (0: the cores less one), got {ns.num_threads}")
     for flag in ("max_batch_size", "max_queue", "max_body_bytes", "max_request_rows"):
