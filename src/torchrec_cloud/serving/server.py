@@ -390,7 +390,7 @@ def build_app(state: State) -> Any:
         Route("/v1/models/{name}", guarded(v1_model, "metadata"), methods=["GET"]),
         Route("/metrics", guarded(prometheus, "metrics"), methods=["GET"]),
     ]
-    return AccessLog(Inference(state, Starlette(routes=routes)), metrics)
+    return AccessLog(Inference(state, Starlette(routes=routes)), metrics, None if state.worker is None else state.worker.index)
 
 
 class Inference:
@@ -539,10 +539,11 @@ def _error_body(message: str) -> bytes:
 
 class AccessLog:
     """ASGI wrapper: one line per request on stderr (client, method, path, status, rows, model
-    version, milliseconds) and the request counters and latency histogram."""
+    version, milliseconds, and with ``--workers N`` the worker) and the request counters and latency histogram."""
 
-    def __init__(self, app: Any, metrics: Metrics) -> None:
+    def __init__(self, app: Any, metrics: Metrics, worker: Optional[int] = None) -> None:
         self.app, self.metrics = app, metrics
+        self.worker = "" if worker is None else f" worker={worker}"  # --workers N: which one answered
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -570,7 +571,7 @@ class AccessLog:
             extra = f" rows={info['rows']}" if "rows" in info else ""
             extra += f" version={info['version']}" if "version" in info else ""
             path = scope.get("path", "")[:200].encode("unicode_escape").decode()
-            print(f"access {client[0]}:{client[1]} {scope.get('method')} {path} {code}{extra} {seconds * 1000:.2f}ms",
+            print(f"access {client[0]}:{client[1]} {scope.get('method')} {path} {code}{extra} {seconds * 1000:.2f}ms{self.worker}",
                   file=sys.stderr, flush=True)  # fmt: skip
 
 

@@ -192,8 +192,8 @@ class Supervisor:
                     continue
                 del self.procs[index]
                 multiprocess.mark_process_dead(proc.pid, self.metrics)
-                codes.append(rc)
                 if self.stopping:
+                    codes.append(rc)  # a drained worker's: 0
                     continue
                 how = f"signal {-rc}" if rc < 0 else f"exit {rc}"
                 if index not in self.ready:
