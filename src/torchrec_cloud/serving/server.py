@@ -16,7 +16,9 @@ rows, waiting at most ``--max_delay_ms``); a full queue (``--max_queue``) answer
 answers it and exits 0 (within ``--grace_s``). Metrics at ``/metrics`` (Prometheus), one
 access-log line per request on stderr. This module is the protocol; the model knows no HTTP.
 
-Starlette on uvicorn (h11, pure Python): docs/serving.md says why not KServe's own server.
+Starlette on uvicorn (httptools when installed, else h11): docs/serving.md says why not
+KServe's own server. ``--workers N``: N such servers on one port under a supervisor
+(:mod:`~torchrec_cloud.serving.workers`), the tables shared (mapped from ``tables.pt``).
 The inference endpoints are answered by :class:`Inference` on raw ASGI messages (a request
 costs its JSON and a type check of its values; the model converts a batch's requests
 together), the rest of the API by Starlette.
@@ -687,7 +689,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="auto: the model folder's AOTInductor package (scorer.pt2) when this torch built it, "
                              "else its TorchScript (scorer.pt)")  # fmt: skip
     parser.add_argument("--num_threads", type=int, default=0,
-                        help="torch threads that score a batch (0: the cores less one for the HTTP side, at least 1)")  # fmt: skip
+                        help="torch threads that score a batch, per worker (0: (cores - workers) / workers, leaving "
+                             "each worker's HTTP side a core; at least 1)")  # fmt: skip
     parser.add_argument("--grace_s", type=float, default=25.0,
                         help="on SIGTERM, how long queued and in-flight requests have to finish")  # fmt: skip
     parser.add_argument("--workers", type=int, default=1,
