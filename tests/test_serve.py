@@ -740,3 +740,10 @@ def test_a_tables_file_that_is_not_the_scorers_is_refused(events, tmp_path):
     assert "not a loadable tables file" in damaged("code", lambda p: torch.save({"weight": print}, p))
     assert "the scorer's" in damaged("shape", shorter_table)
     assert "cannot open" in damaged("link", link)
+
+
+def test_workers_below_one_are_refused_naming_the_flag(tmp_path, capsys):
+    capsys.readouterr()
+    rc = main(["serve", str(tmp_path), "--workers", "0", "--port", str(free_port())])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--workers" in err and len(err.strip().splitlines()) == 1, err
