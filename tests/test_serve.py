@@ -747,3 +747,17 @@ def test_workers_below_one_are_refused_naming_the_flag(tmp_path, capsys):
     rc = main(["serve", str(tmp_path), "--workers", "0", "--port", str(free_port())])
     err = capsys.readouterr().err
     assert rc == 2 and "--workers" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_worker_that_cannot_load_its_model_ends_the_server(events, tmp_path):
+    """A model whose scorer is damaged (model_config.json still reads): each worker fails to
+    load it and says why; the parent stops and exits 1, never restarting them."""
+    folder = tmp_path / "damaged"
+    shutil.copytree(events / "model", folder)
+    (folder / "scorer.pt").write_bytes((folder / "scorer.pt").read_bytes()[:1000])
+    proc = subprocess.run([PYTHON, "-m", "torchrec_cloud", "serve", str(folder), "--host", "127.0.0.1", "--port",
+                           str(free_port()), "--workers", "2", "--runtime", "torchscript"],
+                          env=env_for_subprocess(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 1, explain(proc)
+    assert "before its model was loaded" in proc.stderr and "scorer.pt" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "starting another" not in proc.stderr, proc.stderr[-3000:]

@@ -94,7 +94,8 @@ class WorkerInfo:
 def listen(host: str, port: int) -> socket.socket:
     """The listening socket the workers share (uvicorn's own options: SO_REUSEADDR, backlog 2048)."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        [(family, kind, proto, _, address), *_] = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                     flags=socket.AI_PASSIVE)  # fmt: skip
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
@@ -118,14 +119,14 @@ class Supervisor:
         self.pipes: dict[int, int] = {}  # read end of a worker's ready pipe -> index
         self.ready: set[int] = set()  # workers that reported ready
         self.stopping = 0.0  # when SIGTERM came
-        self.signalled = False  # the handler only sets this: the loop acts on it (a handler that prints could interrupt a print)
+        self.signalled = False  # set by the handler, acted on by the loop: a handler that prints could interrupt a print
         self.failed: Optional[str] = None
 
     def start(self, index: int, load_first: bool) -> None:
         assert self.sock is not None
         read, write = os.pipe()
-        info = {"index": index, "workers": self.ns.workers, "listen_fd": self.sock.fileno(), "ready_fd": write, "folder": self.folder,
-                "parent": os.getpid(), "load_first": load_first}  # fmt: skip
+        info = {"index": index, "workers": self.ns.workers, "listen_fd": self.sock.fileno(), "ready_fd": write,
+                "folder": self.folder, "parent": os.getpid(), "load_first": load_first}  # fmt: skip
         env = {**os.environ, WORKER_ENV: json.dumps(info), "PROMETHEUS_MULTIPROC_DIR": self.metrics}
         self.procs[index] = subprocess.Popen([sys.executable, "-m", "torchrec_cloud", *self.argv], env=env,
                                              pass_fds=(self.sock.fileno(), write))  # fmt: skip
@@ -149,10 +150,10 @@ class Supervisor:
 
     def run(self) -> int:
         ns = self.ns
-        self.sock = listen(ns.host, ns.port)
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
         try:
+            self.sock = listen(ns.host, ns.port)
             for index in range(ns.workers):
                 self.start(index, load_first=False)
             log(f"{ns.workers} workers on http://{ns.host}:{ns.port} (pids "
@@ -198,7 +199,6 @@ class Supervisor:
                 how = f"signal {-rc}" if rc < 0 else f"exit {rc}"
                 if index not in self.ready:
                     self.failed = f"worker {index} (pid {proc.pid}) ended ({how}) before its model was loaded"
-                    log(self.failed)
                     self.stop()
                     continue
                 log(f"worker {index} (pid {proc.pid}) died ({how}): starting another")
