@@ -360,7 +360,7 @@ def export(
     packages = pt2_packages(model, quantize, cfg.model, required=pt2_asked or not scripted) if "pt2" in formats else {}
     weights = io.BytesIO()
     torch.save({k: v.detach().contiguous() for k, v in model.state_dict().items()}, weights)
-    tables = io.BytesIO()  # what serve maps, shared by its workers (serving.runtime.map_tables)
+    tables = io.BytesIO()  # what serve maps, shared by its workers (serving.runtime, map_tables)
     torch.save({k: v.contiguous() for k, v in scorer_module(model, quantize).tables.state_dict().items()
                 if k in TABLE_BUFFERS}, tables)  # fmt: skip
 
