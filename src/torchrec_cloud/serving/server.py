@@ -297,7 +297,15 @@ _TAG = "torchrec-cloud serve"  # "torchrec-cloud serve[worker 1]" in a worker pr
 
 
 def log(line: str) -> None:
-    print(f"{_TAG}: {line}", file=sys.stderr, flush=True)
+    write_line(f"{_TAG}: {line}")
+
+
+def write_line(line: str) -> None:
+    """One line on stderr in one write: worker processes share the file (and unbuffered,
+    ``PYTHONUNBUFFERED``, ``print`` writes the text and its newline apart, so two processes'
+    lines could merge)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def settle_memory() -> None:
@@ -573,8 +581,8 @@ class AccessLog:
             extra = f" rows={info['rows']}" if "rows" in info else ""
             extra += f" version={info['version']}" if "version" in info else ""
             path = scope.get("path", "")[:200].encode("unicode_escape").decode()
-            print(f"access {client[0]}:{client[1]} {scope.get('method')} {path} {code}{extra} {seconds * 1000:.2f}ms{self.worker}",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            write_line(f"access {client[0]}:{client[1]} {scope.get('method')} {path} {code}{extra} "
+                       f"{seconds * 1000:.2f}ms{self.worker}")  # fmt: skip
 
 
 def http_parser() -> str:

@@ -217,7 +217,9 @@ class Supervisor:
 
 
 def log(line: str) -> None:
-    print(f"torchrec-cloud serve: {line}", file=sys.stderr, flush=True)
+    from torchrec_cloud.serving.server import write_line
+
+    write_line(f"torchrec-cloud serve: {line}")
 
 
 def worker_argv(ns: argparse.Namespace, flags: list[str]) -> list[str]:
