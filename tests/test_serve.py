@@ -680,7 +680,10 @@ def test_two_workers_answer_as_predict_share_the_mapped_tables_and_one_scrape_co
         assert not failures, failures[:3]
         for protocol, i, p in got:
             assert p == pytest.approx(expected[i], abs=1e-6), (protocol, i)
-        counts = [(answered(server, "v1"), answered(server, "v2")) for _ in range(4)]  # scrapes that reach either worker
+        # A request is counted just after its answer is sent: wait for the last ones, then scrape
+        # a few times (each scrape reaches either worker) and find the same whole-server count.
+        server.wait_for(lambda: answered(server, "v1") + answered(server, "v2") >= len(got), "every answer counted")
+        counts = [(answered(server, "v1"), answered(server, "v2")) for _ in range(4)]
         assert counts == [(len(got) / 2, len(got) / 2)] * 4, (counts, len(got))
 
         os.kill(pids[0], signal.SIGKILL)
