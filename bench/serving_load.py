@@ -4,6 +4,7 @@
 
     python bench/serving_load.py                     # trains and exports a small model first
     python bench/serving_load.py --model models/q    # an exported Criteo-layout model folder
+    python bench/serving_load.py --workers 2         # serve --workers 2: two processes on the port
 
 What it does: a Criteo-layout model (the quickstart's, 10,000 rows a table; or ``--model``),
 exported as TorchScript and as an AOTInductor package; 4,096 generated raw Criteo rows;
@@ -102,13 +103,13 @@ def offline_rows_per_s(model: Path, tsv: Path, out: Path) -> float:
 
 
 class Server:
-    def __init__(self, model: Path, runtime: str, log: Path, *flags: str) -> None:
+    def __init__(self, model: Path, runtime: str, log: Path, workers: int, *flags: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "torchrec_cloud", "serve", str(model), "--name", "m", "--host", "127.0.0.1",
-             "--port", str(self.port), "--runtime", runtime, *flags],
+             "--port", str(self.port), "--runtime", runtime, "--workers", str(workers), *flags],
             stdout=subprocess.DEVNULL, stderr=open(log, "w"), start_new_session=True)  # fmt: skip
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -123,9 +124,15 @@ class Server:
         raise SystemExit("serve was not ready in 300 s")
 
     def cpu_s(self) -> float:
-        """The server's CPU seconds so far (user + system, all its threads), from /proc."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """The server's CPU seconds so far (user + system, all its threads, and its worker
+        processes' with --workers), from /proc."""
+        pid = self.proc.pid
+        pids = [pid, *map(int, Path(f"/proc/{pid}/task/{pid}/children").read_text().split())]
+        ticks = 0
+        for p in pids:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])
+        return ticks / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -152,6 +159,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="each wrk run's duration")
     parser.add_argument("--runtimes", default="torchscript,pt2")
     parser.add_argument("--json", action="store_true", help="one JSON line per run as well")
+    parser.add_argument("--workers", type=int, default=1, help="serve --workers: worker processes on the one port")
     args = parser.parse_args()
     if shutil.which("wrk") is None:
         raise SystemExit("wrk is not installed: apt-get install wrk (Debian's package)")
@@ -163,12 +171,13 @@ def main() -> int:
     script.write_text(WRK_SCRIPT)
     limit = offline_rows_per_s(model, tsv, folder / "scores.csv")
     print(f"offline predict --input: {limit:,.0f} rows/s ({args.rows} rows)", flush=True)
-    # uvicorn parses HTTP with httptools when it is installed, h11 otherwise: say which ran.
+    # serve parses HTTP with httptools when it is installed, h11 otherwise: say which ran.
     http = "httptools" if importlib.util.find_spec("httptools") else "h11"
-    print(f"serve's HTTP parser: {http} (uvicorn's choice: httptools when installed)", flush=True)
+    print(f"serve's HTTP parser: {http} (httptools when installed)", flush=True)
+    print(f"serve --workers {args.workers}: {args.workers} worker process(es) on the port", flush=True)
     table = []
     for runtime in args.runtimes.split(","):
-        server = Server(model, runtime, folder / f"serve-{runtime}.log")
+        server = Server(model, runtime, folder / f"serve-{runtime}.log", args.workers)
         try:
             for n, body in bodies.items():
                 wrk(server.url, body, 4, 2, script)  # warm-up
@@ -193,12 +202,12 @@ def main() -> int:
 
     # The shedding point: more waiting requests than the queue holds.
     log = folder / "serve-shed.log"
-    server = Server(model, "torchscript", log, "--max_queue", "8")
+    server = Server(model, "torchscript", log, args.workers, "--max_queue", "8")
     try:
         shed = wrk(server.url, bodies[64], 256, args.seconds, script)
     finally:
         server.stop()
-    times = [float(m.group(1)) for m in re.finditer(r" 503 .*?([0-9.]+)ms$", log.read_text(), re.M)]
+    times = [float(m.group(1)) for m in re.finditer(r" 503 .*?([0-9.]+)ms(?: worker=[0-9]+)?$", log.read_text(), re.M)]
     shed_line = (f"shedding: 256 clients of 64-row requests, --max_queue 8: {shed['non_2xx']} of {shed['requests']} "
                  f"answered 503" + (f", in {statistics.median(times):.2f} ms median, {max(times):.2f} ms at most "
                                     "(the server's own time)" if times else ""))  # fmt: skip
@@ -210,7 +219,8 @@ def main() -> int:
         print(f"| {r['runtime']} | {r['rows_per_request']} | {r['clients']} | {r['rows_per_s']:,.0f} | "
               f"{r['of_offline']:.0%} | {r['p50_ms']:.1f} | {r['p95_ms']:.1f} | {r['p99_ms']:.1f} | {r['non_2xx']} | "
               f"{r['server_cpu_us_per_request']:,.0f} |")
-    print(f"\noffline `predict --input`, same model and rows: {limit:,.0f} rows/s; HTTP parser {http}. {shed_line}")
+    print(f"\noffline `predict --input`, same model and rows: {limit:,.0f} rows/s; HTTP parser {http}; "
+          f"serve --workers {args.workers}. {shed_line}")
     return 0
 
 

@@ -421,14 +421,18 @@ def test_requests_scored_in_one_batch_each_get_their_own_answer(which, events, c
     assert status == 400 and column in body["error"] and "row 0" in body["error"], body
 
 
-def test_sigterm_under_load_answers_every_accepted_request_and_exits_0(events, tmp_path):
-    """Six clients, batches of 4 rows that wait for ever to fill: at any time at least two
-    requests are queued, so SIGTERM always finds some. Every request the server accepted (its
-    access log) is answered 200 to its client; the others were never accepted (the listener
-    closed: a connection error); the exit status is 0."""
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sigterm_under_load_answers_every_accepted_request_and_exits_0(events, tmp_path, workers):
+    """Six clients, batches that wait for ever to fill: one server, batches of 4: at any time at
+    least two requests are queued, so SIGTERM always finds some; two workers (each its batcher),
+    batches of 2: a worker holds at most one request that waits (the next fills its batch), so
+    the clients never all wait, and SIGTERM (to the parent) is sent once a request is queued.
+    Every request the server accepted (its access log) is answered 200 to its client; the others
+    were never accepted (the listener closed: a connection error); the exit status is 0."""
     rows = v1_rows(pq.read_table(events / "events" / "day_2.parquet").slice(0, 6))
-    server = Server(events / "model", tmp_path, "--max_batch_size", "4", "--max_delay_ms", "3600000",
-                    "--timeout_s", "3600")  # fmt: skip
+    batch, queued = (4, 2) if workers == 1 else (2, 1)
+    server = Server(events / "model", tmp_path, "--max_batch_size", str(batch), "--max_delay_ms", "3600000",
+                    "--timeout_s", "3600", "--workers", str(workers))  # fmt: skip
     got: list[int] = []
     errors: list[str] = []
     stop = threading.Event()
@@ -446,7 +450,7 @@ def test_sigterm_under_load_answers_every_accepted_request_and_exits_0(events, t
     for t in threads:
         t.start()
     server.wait_for(lambda: got.count(200) >= 12, "a few answered batches")
-    server.wait_for(lambda: server.metric("torchrec_serve_queue_depth") >= 2, "queued requests")
+    server.wait_for(lambda: server.metric("torchrec_serve_queue_depth") >= queued, "queued requests")
     rc = server.stop()
     stop.set()
     for t in threads:
@@ -456,7 +460,7 @@ def test_sigterm_under_load_answers_every_accepted_request_and_exits_0(events, t
     assert set(got) == {200}, got
     accepted = sum(1 for line in log.splitlines() if line.startswith("access ") and ":predict 200" in line)
     assert accepted == len(got), (accepted, len(got), errors)
-    assert "SIGTERM: not ready; answering" in log and "Traceback" not in log
+    assert log.count("SIGTERM: not ready; answering") == workers and "Traceback" not in log
 
 
 def publish(root: Path, model: Path, version: str, damage=None) -> None:
@@ -470,7 +474,12 @@ def publish(root: Path, model: Path, version: str, damage=None) -> None:
     os.replace(tmp, root / "current")
 
 
-def test_versions_swap_under_load_and_a_broken_one_is_refused(events, criteo, tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_versions_swap_under_load_and_a_broken_one_is_refused(events, criteo, tmp_path, workers):
+    """A published root under four clients: v2 swapped in with no failed request and every
+    answer all from one version; a damaged v3 and a v4 of other columns refused while v2
+    serves. With two workers each follows ``current`` and swaps on its own; the counts of one
+    scrape are the server's (each worker swaps and refuses once)."""
     root = tmp_path / "published"
     root.mkdir()
     publish(root, events / "model", "v1")
@@ -480,7 +489,7 @@ def test_versions_swap_under_load_and_a_broken_one_is_refused(events, criteo, tm
                 "v2": predicted(events / "model_step3", rows_file, tmp_path)}  # fmt: skip
     assert max(abs(a - b) for a, b in zip(expected["v1"], expected["v2"])) > 1e-4  # the versions differ
     body = {"instances": v1_rows(pq.read_table(rows_file))}
-    server = Server(root, tmp_path, "--poll_s", "0.1", "--max_delay_ms", "2")
+    server = Server(root, tmp_path, "--poll_s", "0.1", "--max_delay_ms", "2", "--workers", str(workers))
     answers: list = []
     failures: list = []
     stop = threading.Event()
@@ -501,6 +510,7 @@ def test_versions_swap_under_load_and_a_broken_one_is_refused(events, criteo, tm
         server.wait_for(lambda: len(answers) >= 10, "answers from v1")
         publish(root, events / "model_step3", "v2")
         server.wait_for(lambda: get(server.url + "/v2/models/m")[1]["versions"] == ["v2"], "v2 swapped in")
+        server.wait_for(lambda: server.metric("torchrec_serve_version_swaps_total") == workers, "v2 in every worker")
         seen = len(answers)
         server.wait_for(lambda: len(answers) >= seen + 10, "answers from v2")
         # A damaged version and one with other columns: refused, v2 keeps serving.
@@ -510,14 +520,15 @@ def test_versions_swap_under_load_and_a_broken_one_is_refused(events, criteo, tm
                     (folder / name).write_bytes((folder / name).read_bytes()[:1000])
 
         publish(root, events / "model", "v3", damage=cut_short)
-        server.wait_for(lambda: "refused version v3" in server.text(), "v3 refused")
+        server.wait_for(lambda: server.text().count("refused version v3") == workers, "v3 refused")
         publish(root, criteo / "model", "v4")
-        server.wait_for(lambda: "refused version v4" in server.text(), "v4 refused")
+        server.wait_for(lambda: server.text().count("refused version v4") == workers, "v4 refused")
         seen = len(answers)
         server.wait_for(lambda: len(answers) >= seen + 10, "answers after the refusals")
         assert get(server.url + "/v2/models/m")[1]["versions"] == ["v2"]
-        assert server.metric("torchrec_serve_versions_refused_total") == 2
-        assert server.metric("torchrec_serve_version_swaps_total") == 1
+        server.wait_for(lambda: server.metric("torchrec_serve_versions_refused_total") == 2 * workers,
+                        "v3 and v4 refused by every worker")  # fmt: skip
+        assert server.metric("torchrec_serve_version_swaps_total") == workers
         assert server.metric('torchrec_serve_model_version{version="v2"}') == 1
     finally:
         stop.set()
@@ -531,8 +542,9 @@ def test_versions_swap_under_load_and_a_broken_one_is_refused(events, criteo, tm
     for version, got in answers:  # every answer all from one version
         assert got["predictions"] == pytest.approx(expected[version], abs=1e-6), version
     refused = [line for line in log.splitlines() if "refused version" in line]
-    assert len(refused) == 2 and all("still serving v2" in line for line in refused), refused
-    assert "scorer.pt" in refused[0] and "columns" in refused[1], refused  # scorer.pt or scorer.pt2
+    assert len(refused) == 2 * workers and all("still serving v2" in line for line in refused), refused
+    assert all("scorer.pt" in line for line in refused if "version v3" in line), refused  # scorer.pt or scorer.pt2
+    assert all("columns" in line for line in refused if "version v4" in line), refused
 
 
 def test_a_published_root_in_a_bucket_is_served_and_followed(events, s3_service, monkeypatch, tmp_path):
@@ -583,3 +595,172 @@ def test_what_is_no_model_is_refused_before_listening(tmp_path, capsys, current)
         assert "missing" in err and "model_config.json" in err, err
     else:
         assert "not a name inside its folder" in err, err
+
+
+# -- --workers N ---------------------------------------------------------------------------------
+
+
+def worker_pids(server: Server) -> list[int]:
+    """The server's worker processes: its parent's children."""
+    pid = server.proc.pid
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def mapping_of(pid: int, path: Path) -> dict[str, int]:
+    """The sizes (kB) /proc/PID/smaps gives the mappings of ``path`` in that process, summed."""
+    fields: dict[str, int] = {}
+    inside = False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+            inside = line.endswith(" " + str(path))
+            continue
+        key, _, value = line.partition(":")
+        if inside and value.strip().endswith(" kB"):
+            fields[key] = fields.get(key, 0) + int(value.split()[0])
+    return fields
+
+
+def answered(server: Server, endpoint: str, code: str = "200") -> float:
+    """``torchrec_serve_requests_total`` of one endpoint and code, from one scrape."""
+    _, body = get(server.url + "/metrics")
+    pattern = re.compile(r"torchrec_serve_requests_total\{(.*)\} (\S+)")
+    total = 0.0
+    for m in map(pattern.fullmatch, body.splitlines()):
+        if m and f'endpoint="{endpoint}"' in m.group(1) and f'code="{code}"' in m.group(1):
+            total += float(m.group(2))
+    return total
+
+
+def test_two_workers_answer_as_predict_share_the_mapped_tables_and_one_scrape_counts_both(events, tmp_path):
+    """``--workers 2``: both workers map the model folder's tables.pt, its pages shared (the
+    page cache holds one copy); one-row v1 and v2 requests from eight clients, until each worker
+    has answered some (the access log names it), all equal `predict`; one scrape of /metrics
+    counts the requests of both; a worker killed is reported and replaced while the other
+    answers, and SIGTERM to the parent then exits 0."""
+    model = events / "model"
+    rows_file = tmp_path / "rows.parquet"
+    table = pq.read_table(events / "events" / "day_2.parquet").slice(0, 24)
+    pq.write_table(table, rows_file)
+    expected = predicted(model, rows_file, tmp_path)
+    v1 = v1_rows(table)
+    server = Server(model, tmp_path, "--workers", "2", "--runtime", "torchscript", "--max_delay_ms", "1")
+    try:
+        pids = worker_pids(server)
+        assert len(pids) == 2, pids
+        for pid in pids:
+            mapped = mapping_of(pid, model / "tables.pt")
+            assert mapped.get("Rss", 0) > 0, f"worker {pid} does not map tables.pt: {mapped}"
+            assert mapped["Shared_Clean"] > 0 or mapped["Pss"] < mapped["Rss"], mapped
+        got: list = []
+        failures: list = []
+
+        def client(k: int) -> None:
+            for i in range(k, len(v1), 8):
+                status, _, body = request(server.url + "/v1/models/m:predict", {"instances": [v1[i]]})
+                if status != 200:
+                    failures.append(body)
+                    continue
+                got.append(("v1", i, body["predictions"][0]))
+                status, _, body = request(server.url + "/v2/models/m/infer", {"inputs": v2_inputs(table.slice(i, 1))})
+                if status != 200:
+                    failures.append(body)
+                    continue
+                got.append(("v2", i, body["outputs"][0]["data"][0]))
+
+        def both_answered() -> bool:
+            threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            scored = [line for line in server.text().splitlines() if line.startswith("access ") and " 200 rows=" in line]
+            return all(any(line.endswith(f" worker={w}") for line in scored) for w in (0, 1))
+
+        server.wait_for(both_answered, "answers from both workers")
+        assert not failures, failures[:3]
+        for protocol, i, p in got:
+            assert p == pytest.approx(expected[i], abs=1e-6), (protocol, i)
+        # A request is counted just after its answer is sent: wait for the last ones, then scrape
+        # a few times (each scrape reaches either worker) and find the same whole-server count.
+        server.wait_for(lambda: answered(server, "v1") + answered(server, "v2") >= len(got), "every answer counted")
+        counts = [(answered(server, "v1"), answered(server, "v2")) for _ in range(4)]
+        assert counts == [(len(got) / 2, len(got) / 2)] * 4, (counts, len(got))
+
+        os.kill(pids[0], signal.SIGKILL)
+        server.wait_for(lambda: "died (signal 9): starting another" in server.text(), "the death reported")
+        assert get(server.url + "/v2/health/ready")[0] == 200  # the other worker answers meanwhile
+        server.wait_for(lambda: len(set(worker_pids(server)) - set(pids)) == 1, "a replacement worker")
+        server.wait_for(lambda: server.text().count("[worker 0]: ready") == 2, "the replacement loaded")
+        status, _, body = request(server.url + "/v1/models/m:predict", {"instances": v1[:3]})
+        assert status == 200 and body["predictions"] == pytest.approx(expected[:3], abs=1e-6), body
+    finally:
+        rc = server.stop()
+    log = server.text()
+    assert rc == 0 and "Traceback" not in log, log[-3000:]
+
+
+def test_a_tables_file_that_is_not_the_scorers_is_refused(events, tmp_path):
+    """tables.pt is read as untrusted input: mapped in place of the TorchScript scorer's tables
+    when it is theirs (same scores); refused, naming the file, when truncated, when it holds
+    more than tensors, tables of another shape, or is a link."""
+    import torch
+
+    from torchrec_cloud.serving import ServingError, read_model_config
+    from torchrec_cloud.serving.runtime import load_scorer
+
+    features = read_model_config(str(events / "model"))["features"]
+    g = torch.Generator().manual_seed(0)
+    dense = torch.rand(3, features["dense"], generator=g)
+    lengths = torch.ones(3 * len(features["sparse"]), dtype=torch.int64)
+    plain = load_scorer(str(events / "model"), "torchscript")
+    mapped = load_scorer(str(events / "model"), "torchscript", map_tables=True)
+    assert plain.mapped is None and mapped.mapped == str(events / "model" / "tables.pt")
+    values = torch.zeros(len(lengths), dtype=torch.int64)
+    assert torch.equal(mapped.logits_of_bags(dense, values, lengths), plain.logits_of_bags(dense, values, lengths))
+
+    def damaged(name: str, damage) -> str:
+        folder = tmp_path / name
+        shutil.copytree(events / "model", folder)
+        damage(folder / "tables.pt")
+        config = json.loads((folder / "model_config.json").read_text())
+        if name != "truncated":  # the record follows the file: only its content is wrong
+            config["files"]["tables.pt"] = (folder / "tables.pt").stat().st_size
+        (folder / "model_config.json").write_text(json.dumps(config))
+        with pytest.raises(ServingError) as e:
+            load_scorer(str(folder), "torchscript", map_tables=True)
+        assert "tables.pt" in str(e.value) and "\n" not in str(e.value), e.value
+        return str(e.value)
+
+    def shorter_table(path: Path) -> None:
+        tables = torch.load(path, weights_only=True)
+        torch.save({**tables, "weight": tables["weight"][:-1].clone()}, path)
+
+    def link(path: Path) -> None:
+        path.rename(path.with_name("elsewhere.pt"))
+        path.symlink_to(path.with_name("elsewhere.pt"))
+
+    assert "truncated" in damaged("truncated", lambda p: p.write_bytes(p.read_bytes()[:-1]))
+    assert "not a loadable tables file" in damaged("code", lambda p: torch.save({"weight": print}, p))
+    assert "the scorer's" in damaged("shape", shorter_table)
+    assert "cannot open" in damaged("link", link)
+
+
+def test_workers_below_one_are_refused_naming_the_flag(tmp_path, capsys):
+    capsys.readouterr()
+    rc = main(["serve", str(tmp_path), "--workers", "0", "--port", str(free_port())])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--workers" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_worker_that_cannot_load_its_model_ends_the_server(events, tmp_path):
+    """A model whose scorer is damaged (model_config.json still reads): each worker fails to
+    load it and says why; the parent stops and exits 1, never restarting them."""
+    folder = tmp_path / "damaged"
+    shutil.copytree(events / "model", folder)
+    (folder / "scorer.pt").write_bytes((folder / "scorer.pt").read_bytes()[:1000])
+    proc = subprocess.run([PYTHON, "-m", "torchrec_cloud", "serve", str(folder), "--host", "127.0.0.1", "--port",
+                           str(free_port()), "--workers", "2", "--runtime", "torchscript"],
+                          env=env_for_subprocess(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 1, explain(proc)
+    assert "before its model was loaded" in proc.stderr and "scorer.pt" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "starting another" not in proc.stderr, proc.stderr[-3000:]

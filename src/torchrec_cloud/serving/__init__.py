@@ -20,6 +20,7 @@ A model directory (a local folder or a bucket URL)::
                         for CUDA, when exported on a GPU): (dense, values, lengths) -> logits [B]
     weights.pt          the unsharded float32 state dict of TorchRec's DLRMTrain
                         (torch.save; load with torch.load(..., weights_only=True))
+    tables.pt           the scorer's tables as it holds them, which ``serve`` memory-maps
     vocab/NAME.json     a schema's dataset only: the vocabularies scoring raw rows needs
     model_config.json   written last: format, model config, feature spec, source checkpoint,
                         quantization and what it costs in AUC; for a schema's dataset its
@@ -46,6 +47,11 @@ MODEL_VERSION = 1
 CONFIG_FILE = "model_config.json"
 SCORER_FILE = "scorer.pt"
 WEIGHTS_FILE = "weights.pt"
+TABLES_FILE = "tables.pt"
+"""The scoring module's tables as it holds them (``tables.weight``, ``tables.scale``,
+``tables.bias`` of :class:`~torchrec_cloud.serving.scorer.Tables`, quantized as the scorer is):
+``serve`` maps this file (``torch.load(..., mmap=True)``) in place of the scorer's own copy, so
+worker processes share one copy of the tables in the page cache."""
 PT2_FILES = {"cpu": "scorer.pt2", "cuda": "scorer.cuda.pt2"}
 """The AOTInductor packages ``export --format pt2`` writes, by the device they were compiled
 for (a CUDA one only when exported on a GPU); ``model_config.json``'s ``pt2`` says with which torch."""
@@ -108,8 +114,8 @@ def check_model_config(config: dict[str, Any], path: str) -> dict[str, Any]:
     from torchrec_cloud.serving.scorer import QUANTIZE
 
     doc.text("quantize", choices=QUANTIZE)
-    for name, size in doc.mapping("files", 2 + len(PT2_FILES)).items():
-        text(name, path, "files", choices=(SCORER_FILE, WEIGHTS_FILE, *PT2_FILES.values()))
+    for name, size in doc.mapping("files", 3 + len(PT2_FILES)).items():
+        text(name, path, "files", choices=(SCORER_FILE, WEIGHTS_FILE, TABLES_FILE, *PT2_FILES.values()))
         integer(size, path, f"files.{name}", hi=MAX_FILE_BYTES)
     if not any(name in config["files"] for name in (SCORER_FILE, *PT2_FILES.values())):
         raise UntrustedInputError(path, "files", f"lists no scorer ({SCORER_FILE} or {PT2_FILES['cpu']})")

@@ -56,11 +56,12 @@ from torchrec_cloud.serving import (
     MODEL_VERSION,
     PT2_FILES,
     SCORER_FILE,
+    TABLES_FILE,
     WEIGHTS_FILE,
     ServingError,
     saved_job_config,
 )
-from torchrec_cloud.serving.scorer import QUANTIZE, BagLogits, Scorer, Tables
+from torchrec_cloud.serving.scorer import QUANTIZE, TABLE_BUFFERS, BagLogits, Scorer, Tables
 
 FORMATS = ("torchscript", "pt2")
 FILE_NAMES = (SCORER_FILE, *PT2_FILES.values())
@@ -359,6 +360,9 @@ def export(
     packages = pt2_packages(model, quantize, cfg.model, required=pt2_asked or not scripted) if "pt2" in formats else {}
     weights = io.BytesIO()
     torch.save({k: v.detach().contiguous() for k, v in model.state_dict().items()}, weights)
+    tables = io.BytesIO()  # what serve maps, shared by its workers (serving.runtime, map_tables)
+    torch.save({k: v.contiguous() for k, v in scorer_module(model, quantize).tables.state_dict().items()
+                if k in TABLE_BUFFERS}, tables)  # fmt: skip
 
     config: dict[str, Any] = {
         "format": MODEL_FORMAT,
@@ -377,7 +381,7 @@ def export(
         "checkpoint": {"path": info.path, "step": info.step, "world_size": info.world_size},
         "quantize": quantize,
         "files": {**{k: len(v) for k, v in {**scripted, **packages}.items() if k in FILE_NAMES},
-                  WEIGHTS_FILE: len(weights.getvalue())},
+                  WEIGHTS_FILE: len(weights.getvalue()), TABLES_FILE: len(tables.getvalue())},
         **({"scorer_bytes_fp32": scripted["fp32_bytes"]} if scripted else {}),
         **transforms,
     }
@@ -402,6 +406,7 @@ def export(
         elif storage.exists(storage.join(output, name)):
             storage.remove(storage.join(output, name))  # an earlier export's: not this model
     storage.write_bytes(storage.join(output, WEIGHTS_FILE), weights.getvalue())
+    storage.write_bytes(storage.join(output, TABLES_FILE), tables.getvalue())
     for path, data in vocab_files.items():
         storage.write_bytes(storage.join(output, *path.split("/")), data)
     storage.write_bytes(config_path, json.dumps(config, indent=1).encode())

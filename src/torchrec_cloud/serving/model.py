@@ -145,7 +145,7 @@ class ServedModel:
 
         # The AOTInductor package when the folder has one built by this torch (runtime
         # "auto"), else TorchScript: serving.runtime.
-        self.scorer = load_scorer(self.model_dir, self.runtime, config=self.config)
+        self.scorer = load_scorer(self.model_dir, self.runtime, config=self.config, map_tables=True)
         self.canary()
         self.ready = True
 

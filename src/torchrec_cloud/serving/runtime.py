@@ -19,7 +19,13 @@
 Both runtimes take the same inputs (``dense`` [B, num_dense] float32, ``values`` [N] and
 ``lengths`` [F * B] int64, cast here), answer a batch of 1 and bags of no ids, and give the
 same logits (``export`` checked them against TorchRec's). A loaded scorer keeps no state
-from one call to the next. The files are code (a TorchScript
+from one call to the next.
+
+``map_tables=True`` (``serve``): the TorchScript scorer's tables are replaced by the folder's
+``tables.pt`` mapped read-only (``torch.load(..., mmap=True)``, no copy), so every process that
+serves the folder shares one copy of them in the page cache; ``scorer.mapped`` says whether
+they were (a folder in a bucket, an export without ``tables.pt``, or the pt2 runtime: each
+process holds its copy, docs/serving.md). The files are code (a TorchScript
 archive, a shared library): a model folder must come from a trusted writer (docs/security.md);
 each is read no further than the size ``model_config.json`` records.
 """
@@ -28,13 +34,15 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 import tempfile
 from typing import Any, Optional
 
 import torch
 
 from torchrec_cloud import storage
-from torchrec_cloud.serving import CONFIG_FILE, PT2_FILES, SCORER_FILE, ServingError, read_model_config
+from torchrec_cloud.serving import CONFIG_FILE, PT2_FILES, SCORER_FILE, TABLES_FILE, ServingError, read_model_config
+from torchrec_cloud.serving.scorer import TABLE_BUFFERS
 from torchrec_cloud.untrusted import UntrustedInputError, read_capped
 
 RUNTIMES = ("auto", "pt2", "torchscript")
@@ -45,6 +53,7 @@ class LoadedScorer:
 
     def __init__(self, module: Any, runtime: str, path: str, device: str = "cpu") -> None:
         self.module, self.runtime, self.path, self.device = module, runtime, path, device
+        self.mapped: Optional[str] = None  # the tables file mapped in place of the module's own tables
 
     def logits_of_bags(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Click logits ``[B]`` (on the CPU) of multi-hot bags in TorchRec's
@@ -76,11 +85,13 @@ def pt2_unusable(config: dict[str, Any], device: str) -> Optional[str]:
 
 
 def load_scorer(
-    model_dir: str, runtime: str = "auto", device: str = "cpu", config: Optional[dict[str, Any]] = None
+    model_dir: str, runtime: str = "auto", device: str = "cpu", config: Optional[dict[str, Any]] = None,
+    map_tables: bool = False,
 ) -> LoadedScorer:
     """The scorer of the model folder ``model_dir`` (a folder or bucket URL), by ``runtime``
     (see the module's docstring). ``config``: its model_config.json when already read and
-    checked (:func:`~torchrec_cloud.serving.read_model_config`)."""
+    checked (:func:`~torchrec_cloud.serving.read_model_config`); ``map_tables``: see the module's
+    docstring."""
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
     if device not in PT2_FILES:
@@ -98,7 +109,49 @@ def load_scorer(
     module = _read_torchscript(model_dir, config["files"][SCORER_FILE])
     if device == "cuda":
         module = module.to("cuda")
-    return LoadedScorer(module, "torchscript", storage.join(model_dir, SCORER_FILE), device)
+    scorer = LoadedScorer(module, "torchscript", storage.join(model_dir, SCORER_FILE), device)
+    if map_tables and device == "cpu" and TABLES_FILE in config["files"] and not storage.is_url(model_dir):
+        _map_tables(scorer, model_dir, config)
+    return scorer
+
+
+def _map_tables(scorer: LoadedScorer, model_dir: str, config: dict[str, Any]) -> None:
+    """Replace the TorchScript module's tables by ``tables.pt`` mapped (see the module's
+    docstring). The file is untrusted input: opened without following a link, its size the
+    one model_config.json records, read as tensors only (``weights_only``), and each tensor
+    must have the dtype and shape of the table it replaces and the same first and last row."""
+    path = storage.join(model_dir, TABLES_FILE)
+    size = config["files"][TABLES_FILE]
+    try:
+        fd = os.open(storage._local(path), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise ServingError(f"{path}: cannot open it ({e.strerror}), though its {CONFIG_FILE} lists it: export again") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+            raise ServingError(f"{path} holds {info.st_size} bytes, its {CONFIG_FILE} says {size} (altered or "
+                               "truncated): export again")  # fmt: skip
+        try:  # the descriptor checked above, by a name no one can swap (mmap needs a file name)
+            mapped = torch.load(f"/proc/self/fd/{fd}", map_location="cpu", mmap=True, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - a damaged archive fails in many ways
+            raise ServingError(f"{path} is not a loadable tables file ({type(e).__name__}: "
+                               f"{' '.join(str(e).split())[:200]})") from None  # fmt: skip
+    finally:
+        os.close(fd)  # the mapping keeps the file
+    tables = scorer.module.tables
+    if not isinstance(mapped, dict) or sorted(mapped) != sorted(TABLE_BUFFERS):
+        raise ServingError(f"{path} does not hold the tables {', '.join(TABLE_BUFFERS)}: export again")
+    for name in TABLE_BUFFERS:
+        own, new = getattr(tables, name), mapped[name]
+        if not isinstance(new, torch.Tensor) or new.dtype != own.dtype or new.shape != own.shape:
+            what = f"{new.dtype} {tuple(new.shape)}" if isinstance(new, torch.Tensor) else type(new).__name__
+            raise ServingError(f"{path}: {name} is {what}, the scorer's {own.dtype} {tuple(own.shape)}: export again")
+        if len(own) and not (torch.equal(own[:1], new[:1]) and torch.equal(own[-1:], new[-1:])):
+            raise ServingError(f"{path}: {name} holds other values than the scorer's: not this model's tables")
+    for name in TABLE_BUFFERS:
+        setattr(tables, name, mapped[name])
+    assert tables.weight.data_ptr() == mapped["weight"].data_ptr()  # the module reads the mapping, no copy
+    scorer.mapped = path
 
 
 def _read(path: str, size: int) -> bytes:

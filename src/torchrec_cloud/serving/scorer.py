@@ -26,6 +26,9 @@ import torch
 from torch import nn
 
 QUANTIZE = ("none", "fp16", "int8")
+TABLE_BUFFERS = ("weight", "scale", "bias")
+"""The buffers of :class:`Tables` that hold the tables' values (``export`` writes them to
+``tables.pt`` too, which ``serve`` maps in their place); the others are small."""
 
 
 class Tables(nn.Module):

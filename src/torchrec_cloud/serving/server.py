@@ -16,7 +16,9 @@ rows, waiting at most ``--max_delay_ms``); a full queue (``--max_queue``) answer
 answers it and exits 0 (within ``--grace_s``). Metrics at ``/metrics`` (Prometheus), one
 access-log line per request on stderr. This module is the protocol; the model knows no HTTP.
 
-Starlette on uvicorn (h11, pure Python): docs/serving.md says why not KServe's own server.
+Starlette on uvicorn (httptools when installed, else h11): docs/serving.md says why not
+KServe's own server. ``--workers N``: N such servers on one port under a supervisor
+(:mod:`~torchrec_cloud.serving.workers`), the tables shared (mapped from ``tables.pt``).
 The inference endpoints are answered by :class:`Inference` on raw ASGI messages (a request
 costs its JSON and a type check of its values; the model converts a batch's requests
 together), the rest of the API by Starlette.
@@ -31,6 +33,7 @@ import json
 import math
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -202,11 +205,17 @@ def _check_count(n: int, max_rows: int) -> None:
 
 
 class Metrics:
-    """The server's Prometheus metrics, in a registry of its own (``/metrics``)."""
+    """The server's Prometheus metrics, in a registry of its own (``/metrics``). With
+    ``--workers N`` they are in prometheus_client's multiprocess mode (:mod:`.workers`): each
+    worker's values in files, which a scrape of any worker adds up (``scrape``); the gauges say
+    how (``livesum``: the live workers' sum; ``livemax``: the model version any live worker serves)."""
 
     def __init__(self) -> None:
+        import os
+
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self.registry = r = CollectorRegistry()
         self.requests = Counter("torchrec_serve_requests", "Requests answered, by endpoint and HTTP code",
                                 ["endpoint", "code"], registry=r)  # fmt: skip
@@ -215,21 +224,37 @@ class Metrics:
                                  registry=r, buckets=(.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10))  # fmt: skip
         self.batch_rows = Histogram("torchrec_serve_batch_rows", "Rows per scored batch", registry=r,
                                     buckets=tuple(2.0**k for k in range(15)))  # fmt: skip
-        self.queue_depth = Gauge("torchrec_serve_queue_depth", "Requests waiting to be batched", registry=r)
+        self.queue_depth = Gauge("torchrec_serve_queue_depth", "Requests waiting to be batched", registry=r,
+                                 multiprocess_mode="livesum")  # fmt: skip
         # The name the rendered KEDA ScaledObject queries (deploy/serving.py, INFLIGHT_METRIC).
-        self.in_flight = Gauge("torchrec_cloud_serve_inflight_requests", "Inference requests being handled", registry=r)
-        self.version = Gauge("torchrec_serve_model_version", "1 for the model version being served", ["version"], registry=r)
+        self.in_flight = Gauge("torchrec_cloud_serve_inflight_requests", "Inference requests being handled", registry=r,
+                               multiprocess_mode="livesum")  # fmt: skip
+        self.version = Gauge("torchrec_serve_model_version", "1 for the model version being served", ["version"],
+                             registry=r, multiprocess_mode="livemax")  # fmt: skip
         self.refused = Counter("torchrec_serve_versions_refused", "Model versions refused (failed their checks)", registry=r)
         self.swaps = Counter("torchrec_serve_version_swaps", "Model versions swapped in while serving", registry=r)
+
+    def scrape(self) -> bytes:
+        """The text of ``/metrics``: this process's registry, or every worker's values."""
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        return generate_latest(registry)
 
 
 class State:
     """What the endpoints read: the model served (swapped whole), readiness, the batcher."""
 
-    def __init__(self, ns: argparse.Namespace, model: Any, metrics: Metrics) -> None:
+    def __init__(self, ns: argparse.Namespace, model: Any, metrics: Metrics, worker: Any = None) -> None:
         from torchrec_cloud.serving.batcher import Batcher
 
         self.ns, self.model, self.metrics = ns, model, metrics
+        self.worker = worker  # serving.workers.WorkerInfo of a worker process, else None
+        self._server_ready = worker is None
         self.name = ns.name
         self.loaded = False
         self.draining = False
@@ -240,11 +265,14 @@ class State:
 
     @property
     def ready(self) -> bool:
-        return self.loaded and not self.draining and not self.draining_since
+        if not self._server_ready and self.worker is not None:
+            self._server_ready = self.worker.server_ready()  # every worker loaded: stays so (a replacement loads first)
+        return self.loaded and not self.draining and not self.draining_since and self._server_ready
 
     def swap(self, model: Any) -> None:
         old = self.model
         self.model = model  # the batcher reads it once per batch
+        self.metrics.version.labels(old.version).set(0)  # what a multiprocess scrape keeps of it
         self.metrics.version.remove(old.version)
         self.metrics.version.labels(model.version).set(1)
         self.metrics.swaps.inc()
@@ -265,8 +293,19 @@ class State:
             self.batcher.close()
 
 
+_TAG = "torchrec-cloud serve"  # "torchrec-cloud serve[worker 1]" in a worker process
+
+
 def log(line: str) -> None:
-    print(f"torchrec-cloud serve: {line}", file=sys.stderr, flush=True)
+    write_line(f"{_TAG}: {line}")
+
+
+def write_line(line: str) -> None:
+    """One line on stderr in one write: worker processes share the file (and unbuffered,
+    ``PYTHONUNBUFFERED``, ``print`` writes the text and its newline apart, so two processes'
+    lines could merge)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def settle_memory() -> None:
@@ -289,7 +328,7 @@ def _error(status: int, message: str, retry_after: bool = False) -> Any:
 
 def build_app(state: State) -> Any:
     """The Starlette application: the v2 and v1 endpoints, /metrics, and the access log."""
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    from prometheus_client import CONTENT_TYPE_LATEST
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
@@ -330,7 +369,7 @@ def build_app(state: State) -> Any:
         return JSONResponse({"name": state.name, "ready": state.ready})
 
     async def prometheus(request: Any) -> Any:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.scrape(), media_type=CONTENT_TYPE_LATEST)
 
     def guarded(handler: Any, endpoint: str) -> Any:
         async def run(request: Any) -> Any:
@@ -361,7 +400,7 @@ def build_app(state: State) -> Any:
         Route("/v1/models/{name}", guarded(v1_model, "metadata"), methods=["GET"]),
         Route("/metrics", guarded(prometheus, "metrics"), methods=["GET"]),
     ]
-    return AccessLog(Inference(state, Starlette(routes=routes)), metrics)
+    return AccessLog(Inference(state, Starlette(routes=routes)), metrics, None if state.worker is None else state.worker.index)
 
 
 class Inference:
@@ -510,10 +549,11 @@ def _error_body(message: str) -> bytes:
 
 class AccessLog:
     """ASGI wrapper: one line per request on stderr (client, method, path, status, rows, model
-    version, milliseconds) and the request counters and latency histogram."""
+    version, milliseconds, and with ``--workers N`` the worker) and the request counters and latency histogram."""
 
-    def __init__(self, app: Any, metrics: Metrics) -> None:
+    def __init__(self, app: Any, metrics: Metrics, worker: Optional[int] = None) -> None:
         self.app, self.metrics = app, metrics
+        self.worker = "" if worker is None else f" worker={worker}"  # --workers N: which one answered
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -541,24 +581,44 @@ class AccessLog:
             extra = f" rows={info['rows']}" if "rows" in info else ""
             extra += f" version={info['version']}" if "version" in info else ""
             path = scope.get("path", "")[:200].encode("unicode_escape").decode()
-            print(f"access {client[0]}:{client[1]} {scope.get('method')} {path} {code}{extra} {seconds * 1000:.2f}ms",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            write_line(f"access {client[0]}:{client[1]} {scope.get('method')} {path} {code}{extra} "
+                       f"{seconds * 1000:.2f}ms{self.worker}")  # fmt: skip
+
+
+def http_parser() -> str:
+    """uvicorn's HTTP parser: httptools (C, llhttp) when installed (the ``serve`` extra installs
+    it), else h11 (pure Python: more of a small request's CPU time, bench/RESULTS.md)."""
+    import importlib.util
+
+    return "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
 
 
 def serve(ns: argparse.Namespace) -> int:
-    """Load the model in the background, answer requests until SIGTERM, then drain and return 0."""
+    """Load the model in the background, answer requests until SIGTERM, then drain and return 0.
+    With ``--workers N`` (N > 1) this process supervises N worker processes that do this
+    (:mod:`~torchrec_cloud.serving.workers`)."""
+    global _TAG
+    from torchrec_cloud.serving.versions import Follower, first_model, is_root
+    from torchrec_cloud.serving.workers import Supervisor, WorkerInfo, worker_argv
+
+    model = first_model(ns.model, ns.runtime)  # a folder that is no model stops here, before listening
+    if ns.workers > 1:
+        return Supervisor(ns, worker_argv(ns, ns.serve_flags)).run()
+    worker = WorkerInfo.from_env()
     import torch
     import uvicorn
 
     from torchrec_cloud.distributed import _cpu_count
-    from torchrec_cloud.serving.versions import Follower, first_model, is_root
 
-    model = first_model(ns.model, ns.runtime)  # a folder that is no model stops here, before listening
+    if worker is not None:
+        _TAG = f"torchrec-cloud serve[worker {worker.index}]"
+        worker.follow_parent()
     # The event loop parses requests while the batcher's thread scores: torch's threads
-    # spinning on every core would take the loop's core from it.
-    torch.set_num_threads(ns.num_threads or max(1, _cpu_count() - 1))
+    # spinning on every core would take the loop's core from it (from each worker's).
+    workers = 1 if worker is None else worker.workers
+    torch.set_num_threads(ns.num_threads or max(1, (_cpu_count() - workers) // workers))
     metrics = Metrics()
-    state = State(ns, model, metrics)
+    state = State(ns, model, metrics, worker)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
@@ -572,7 +632,7 @@ def serve(ns: argparse.Namespace) -> int:
 
     config = uvicorn.Config(build_app(state), host=ns.host, port=ns.port, access_log=False, log_level="warning",
                             lifespan="off", timeout_graceful_shutdown=ns.grace_s, server_header=False,
-                            proxy_headers=False)  # fmt: skip
+                            proxy_headers=False, http=http_parser())  # fmt: skip
     server = Server(config)
 
     def load() -> None:
@@ -585,8 +645,12 @@ def serve(ns: argparse.Namespace) -> int:
         metrics.version.labels(model.version).set(1)
         settle_memory()
         state.loaded = True
+        tables = f"tables mapped from {model.scorer.mapped}" if model.scorer.mapped else "tables in this process"
         log(f"ready: {state.name} version {model.version} on http://{ns.host}:{ns.port} "
-            f"(/v1/models/{state.name}:predict, /v2/models/{state.name}/infer, /metrics)")  # fmt: skip
+            f"(/v1/models/{state.name}:predict, /v2/models/{state.name}/infer, /metrics; {tables}; "
+            f"HTTP parser {config.http})")  # fmt: skip
+        if worker is not None:
+            worker.report_ready()
         if ns.follow:
             follower = Follower(ns.model, lambda: state.model, state.swap, state.refuse, ns.poll_s, ns.runtime)
             threading.Thread(target=follower.run, name="versions", daemon=True).start()
@@ -594,9 +658,14 @@ def serve(ns: argparse.Namespace) -> int:
     ns.follow = is_root(ns.model)
     batcher = threading.Thread(target=state.batcher.run, name="batcher", daemon=True)
     batcher.start()
-    threading.Thread(target=load, name="load", daemon=True).start()
+    if worker is not None and worker.load_first:  # a replacement: the other workers answer while it loads
+        load()
+    else:
+        threading.Thread(target=load, name="load", daemon=True).start()
+    sockets = None if worker is None else [socket.socket(fileno=worker.listen_fd)]
     try:
-        server.run()
+        if not state.failed:
+            server.run(sockets=sockets)
     except SystemExit:  # uvicorn's answer to an address it cannot bind (it logged why)
         raise ServingError(f"could not listen on {ns.host}:{ns.port} (in use, or not an address of this host)") from None
     finally:
@@ -628,9 +697,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="auto: the model folder's AOTInductor package (scorer.pt2) when this torch built it, "
                              "else its TorchScript (scorer.pt)")  # fmt: skip
     parser.add_argument("--num_threads", type=int, default=0,
-                        help="torch threads that score a batch (0: the cores less one for the HTTP side, at least 1)")  # fmt: skip
+                        help="torch threads that score a batch, per worker (0: (cores - workers) / workers, leaving "
+                             "each worker's HTTP side a core; at least 1)")  # fmt: skip
     parser.add_argument("--grace_s", type=float, default=25.0,
                         help="on SIGTERM, how long queued and in-flight requests have to finish")  # fmt: skip
+    parser.add_argument("--workers", type=int, default=1,
+                        help="worker processes answering on the one port, each with its batcher, sharing the "
+                             "mapped tables (docs/serving.md: when to raise it)")  # fmt: skip
+    parser.set_defaults(serve_flags=[a.dest for a in parser._actions if a.option_strings and a.dest != "help"])
     return parser
 
 
@@ -639,6 +713,8 @@ def _main(ns: argparse.Namespace) -> int:
         raise ConfigError("name", f"must be letters, digits, '_', '.', '-' (at most 64), got {ns.name[:70]!r}")
     if not 0 <= ns.port <= 65535:
         raise ConfigError("port", f"must be 0..65535, got {ns.port}")
+    if ns.workers < 1:
+        raise ConfigError("workers", f"must be >= 1, got {ns.workers}")
     if ns.num_threads < 0:
         raise ConfigError("num_threads", f"must be >= 0 (0: the cores less one), got {ns.num_threads}")
     for flag in ("max_batch_size", "max_queue", "max_body_bytes", "max_request_rows"):
