@@ -8,7 +8,8 @@ d + 1 is day d's next-day test, scored with ``predict --input`` through the mode
 transforms (an id it never saw goes to row 0), whose Bayes-optimal AUC is known.
 
 - (a) ``warm``: day d is preprocessed with ``--vocab_from`` day d-1's dataset (ids keep their
-  rows) and trained with ``train --warm_start`` day d-1's checkpoint on day d's rows only;
+  rows) and trained with ``train --warm_start`` day d-1's checkpoint on day d's rows only,
+  ``--warm_epochs`` (2) times over them where (b) reads its rows ``--epochs`` (3) times;
   day 0 is (b)'s day 0.
 - (b) ``cold``: a model trained from scratch on days 0..d every day (its own vocabulary).
 - (c) ``frozen``: day 0's model, never trained again.
@@ -42,7 +43,7 @@ at once, saying so, unless ``--approaches cold,frozen``. Quality figures are not
 replicate::
 
     python bench/daily_bench.py --seeds 4 --work /tmp/daily --json
-    python bench/daily_bench.py --seeds 4 --work /tmp/daily --approaches warm --variant e2 --warm_epochs 2
+    python bench/daily_bench.py --seeds 4 --work /tmp/daily --approaches warm --variant lr015 --warm_learning_rate 0.015
     python bench/daily_bench.py --json
     python bench/daily_bench.py --approaches cold,frozen --json
     python bench/daily_bench.py --days 3 --rows_per_day 5000 --work /tmp/daily     # a quick look, kept
@@ -270,11 +271,14 @@ def against_base(replicates: list[dict], work: Path) -> dict | None:
     rows (``val_auc``) and on the next day's rows (``auc``); ``val_mean``: the validation
     difference averaged over days 1.. in each replicate, then over replicates (the rule
     in the module's docstring keeps a variant only when it is above 0 by 2 standard errors)."""
-    pairs = []
+    pairs, whole = [], []
     for r in replicates:
         kept = work / f"seed_{r['seed']}" / "result.json"
         if kept.exists():
-            pairs.append((r["warm"], json.loads(kept.read_text())["warm"]))
+            base = json.loads(kept.read_text())
+            pairs.append((r["warm"], base["warm"]))
+            if all(a in base for a in APPROACHES):
+                whole.append({**base, "seed": r["seed"], "warm": r["warm"]})
     if not pairs:
         return None
     days = range(1, len(pairs[0][0]["auc"]))
@@ -283,7 +287,19 @@ def against_base(replicates: list[dict], work: Path) -> dict | None:
         out[key] = {d: list(mean_se([v[key][d] - b[key][d] for v, b in pairs])) for d in days}
     out["val_mean"] = list(mean_se([sum(v["val_auc"][d] - b["val_auc"][d] for d in days) / len(days) for v, b in pairs]))
     out["auc_mean"] = list(mean_se([sum(v["auc"][d] - b["auc"][d] for d in days) / len(days) for v, b in pairs]))
+    # The goals with the variant as (a), against the same replicates' (b) and (c).
+    out["as_warm"] = combine(whole, list(APPROACHES)) if len(whole) == len(replicates) else None
     return out
+
+
+def same_settings(a: dict, b: dict) -> bool:
+    """Whether two runs' settings train alike (an unset warm epoch count or rate is the cold one's)."""
+
+    def plain(s: dict) -> dict:
+        return {**s, "warm_epochs": s.get("warm_epochs") or s.get("epochs"),
+                "warm_learning_rate": s.get("warm_learning_rate") or s.get("learning_rate")}  # fmt: skip
+
+    return plain(a) == plain(b)
 
 
 def replicate(args: argparse.Namespace, approaches: list[str], work: Path, seed: int, settings: dict) -> dict:
@@ -292,7 +308,7 @@ def replicate(args: argparse.Namespace, approaches: list[str], work: Path, seed:
     kept = work / ("result.json" if args.variant is None else f"result_{args.variant}.json")
     if kept.exists():
         old = json.loads(kept.read_text())
-        if old.get("settings") == settings and all(a in old for a in approaches):
+        if same_settings(old.get("settings", {}), settings) and all(a in old for a in approaches):
             print(f"seed {seed}: taken from {kept}", file=sys.stderr, flush=True)
             return {"seed": seed, "bayes_auc_next_day": old["bayes_auc_next_day"], **{a: old[a] for a in approaches}}
     work.mkdir(parents=True, exist_ok=True)
@@ -313,7 +329,8 @@ def main() -> None:
     p.add_argument("--batch_size", type=int, default=1024)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--learning_rate", type=float, default=0.03)
-    p.add_argument("--warm_epochs", type=int, default=None, help="(a)'s epochs over each day (default: --epochs)")
+    p.add_argument("--warm_epochs", type=int, default=2,
+                   help="(a)'s epochs over each day (0: --epochs); 2 was kept on validation (RESULTS.md, #42)")
     p.add_argument("--warm_learning_rate", type=float, default=None, help="(a)'s learning rate (default: --learning_rate)")
     p.add_argument("--variant", default=None, metavar="NAME",
                    help="(a)'s runs go to DIR/seed_S/warm_NAME, beside a full run's under the same --work, whose "
@@ -356,6 +373,12 @@ def main() -> None:
             m, se = base["val_mean"]
             print(f"variant {args.variant} - (a), validation, days 1..{args.days - 1}: {m:+.4f} +- {se:.4f}: "
                   f"{'kept' if m > 2 * se else 'not kept'} (kept only above 0 by 2 standard errors)")  # fmt: skip
+            if base["as_warm"] is not None:
+                print(f"with variant {args.variant} as (a), against the same replicates' (b) and (c):")
+                print(table(base["as_warm"], list(APPROACHES)))
+                for line in goals(base["as_warm"]):
+                    print(line)
+                base["as_warm"] = {k: v for k, v in base["as_warm"].items() if k != "replicates"}
     if args.json:
         print(json.dumps({**out, "settings": {**settings, "seed": args.seed, "seeds": args.seeds}}))
 
