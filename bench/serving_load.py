@@ -96,10 +96,21 @@ def rows_and_bodies(folder: Path, rows: int) -> tuple[Path, dict[int, Path]]:
     return tsv, bodies
 
 
+OFFLINE_REPEATS = 16
+
+
 def offline_rows_per_s(model: Path, tsv: Path, out: Path) -> float:
-    report = json.loads(cli("predict", str(model), "--input", str(tsv), "--output", str(out), "--json",
-                            "--no_progress").strip().splitlines()[-1])  # fmt: skip
-    return report["rows"] / report["seconds"]
+    """``predict``'s rows/s on the rows repeated ``OFFLINE_REPEATS`` times, the faster of two
+    runs: the limit is steady-state scoring, which one pass over a few thousand rows (one
+    batch, scored while the TorchScript executor still profiles it) is not."""
+    many = tsv.with_name("offline.tsv")
+    many.write_bytes(tsv.read_bytes() * OFFLINE_REPEATS)
+    best = 0.0
+    for _ in range(2):
+        report = json.loads(cli("predict", str(model), "--input", str(many), "--output", str(out), "--json",
+                                "--no_progress").strip().splitlines()[-1])  # fmt: skip
+        best = max(best, report["rows"] / report["seconds"])
+    return best
 
 
 class Server:
@@ -170,7 +181,7 @@ def main() -> int:
     script = folder / "post.lua"
     script.write_text(WRK_SCRIPT)
     limit = offline_rows_per_s(model, tsv, folder / "scores.csv")
-    print(f"offline predict --input: {limit:,.0f} rows/s ({args.rows} rows)", flush=True)
+    print(f"offline predict --input: {limit:,.0f} rows/s ({args.rows} rows x {OFFLINE_REPEATS}, the faster of 2 runs)", flush=True)
     # serve parses HTTP with httptools when it is installed, h11 otherwise: say which ran.
     http = "httptools" if importlib.util.find_spec("httptools") else "h11"
     print(f"serve's HTTP parser: {http} (httptools when installed)", flush=True)
