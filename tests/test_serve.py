@@ -289,7 +289,7 @@ def test_a_one_row_request_takes_the_forms_its_columns_take_alone():
     """rows_v1 decides a one-row request's forms at a glance; they must be column_form's (the
     forms decide which requests are converted together, so a wrong one would mix types)."""
     from torchrec_cloud.serving.model import CRITEO_HEX, CRITEO_INT, ID, IDS, NUMBER, Column
-    from torchrec_cloud.serving.server import Refused, column_form, rows_v1
+    from torchrec_cloud.serving.requests import Refused, column_form, rows_v1
 
     values = [None, "", "7", "a1", 3, -2, 2.5, float("nan"), True, [1, 2], ["a", 3], [], {"x": 1}]
     for kind in (NUMBER, ID, IDS, CRITEO_INT, CRITEO_HEX):

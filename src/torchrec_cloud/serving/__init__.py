@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from typing import Any, Callable, Optional, Sequence
 
 from torchrec_cloud import storage
@@ -55,6 +56,14 @@ worker processes share one copy of the tables in the page cache."""
 PT2_FILES = {"cpu": "scorer.pt2", "cuda": "scorer.cuda.pt2"}
 """The AOTInductor packages ``export --format pt2`` writes, by the device they were compiled
 for (a CUDA one only when exported on a GPU); ``model_config.json``'s ``pt2`` says with which torch."""
+
+
+def write_line(line: str) -> None:
+    """One line on stderr in one write: ``serve --workers N``'s processes share the file (and
+    unbuffered, ``PYTHONUNBUFFERED``, ``print`` writes the text and its newline apart, so two
+    processes' lines could merge)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 class ServingError(CommandError, RuntimeError):

@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from torchrec_cloud.serving import ServingError
+from torchrec_cloud.serving import ServingError, write_line
 
 WORKER_ENV = "_TORCHREC_CLOUD_SERVE_WORKER"
 READY_FILE = "ready"
@@ -217,8 +217,6 @@ class Supervisor:
 
 
 def log(line: str) -> None:
-    from torchrec_cloud.serving.server import write_line
-
     write_line(f"torchrec-cloud serve: {line}")
 
 
