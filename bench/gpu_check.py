@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,10 @@ from pathlib import Path
 from typing import Callable, Optional
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from torchrec_cloud.ports import free_port  # noqa: E402
+
 PYTHON = sys.executable
 CHECKS = ("fused", "uvm_prefetch", "cache_unlocked", "host_lengths", "rng_devices", "pinned")
 MODEL = [
@@ -57,12 +60,6 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _records(out: Path) -> list[dict]:
     path = out / "metrics.jsonl"
     if not path.exists():
@@ -78,7 +75,7 @@ def _records(out: Path) -> list[dict]:
 
 def _launch(out: Path, flags: list[str]) -> list[str]:
     return [PYTHON, "-m", "torchrec_cloud", "launch", "--nnodes=1", "--nproc_per_node=1", "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{_port()}", "-m", "torchrec_cloud", "train", *MODEL, "--output_dir", str(out),
+            f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "torchrec_cloud", "train", *MODEL, "--output_dir", str(out),
             "--checkpoint_path", str(out / "ckpt"), *flags]  # fmt: skip
 
 

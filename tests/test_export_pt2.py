@@ -181,6 +181,7 @@ def test_a_dcn_model_torchscript_cannot_compile_serves_from_its_package(tmp_path
     assert cli.main(["export", str(tmp_path / "ckpt"), "--output", str(tmp_path / "model")]) == 0
     assert "note: no scorer.pt, the pt2 package serves" in capsys.readouterr().err
     assert not (tmp_path / "model" / "scorer.pt").exists()
+    assert not (tmp_path / "model" / "tables.pt").exists()  # mapped only in place of scorer.pt's tables
     scorer = load_scorer(str(tmp_path / "model"))
     assert scorer.runtime == "pt2"
     for name, dense, values, lengths in batches():

@@ -133,7 +133,8 @@ def is_url(path: str) -> bool:
     return scheme(path) is not None
 
 
-def _local(path: str) -> str:
+def local_path(path: str) -> str:
+    """The file system path of a local ``path`` (``file://`` stripped)."""
     return path[len("file://"):] if str(path).startswith("file://") else str(path)
 
 
@@ -144,7 +145,7 @@ def join(base: str, *parts: str) -> str:
         for p in parts:
             out += "/" + p.strip("/")
         return out
-    return os.path.join(_local(base), *parts)
+    return os.path.join(local_path(base), *parts)
 
 
 def filesystem(url: str) -> tuple[Any, str]:
@@ -155,7 +156,7 @@ def filesystem(url: str) -> tuple[Any, str]:
     if sch is None:
         import fsspec
 
-        return fsspec.filesystem("file"), os.path.abspath(_local(url))
+        return fsspec.filesystem("file"), os.path.abspath(local_path(url))
     backend = BACKENDS[sch]
     if backend.module == "gcsfs":
         # gcsfs' experimental hierarchical-namespace probing breaks against emulators and
@@ -230,8 +231,8 @@ def open(path: str, mode: str = "rb") -> IO[Any]:  # noqa: A001 - mirrors builti
     with _errors(path, f"cannot open ({mode})"):
         if not is_url(path):
             if any(c in mode for c in "wax"):
-                os.makedirs(os.path.dirname(os.path.abspath(_local(path))), exist_ok=True)
-            return builtins.open(_local(path), mode)
+                os.makedirs(os.path.dirname(os.path.abspath(local_path(path))), exist_ok=True)
+            return builtins.open(local_path(path), mode)
         fs, p = filesystem(path)
         return fs.open(p, mode)
 
@@ -240,7 +241,7 @@ def read_bytes(path: str, start: Optional[int] = None, end: Optional[int] = None
     """The bytes of a file, or of its range ``[start, end)``."""
     with _errors(path, "cannot read"):
         if not is_url(path):
-            with builtins.open(_local(path), "rb") as f:
+            with builtins.open(local_path(path), "rb") as f:
                 if start:
                     f.seek(start)
                 if end is None:
@@ -265,7 +266,7 @@ def write_bytes(path: str, data: bytes) -> None:
     Local files get the mode the umask gives (0644 under the usual 0022)."""
     with _errors(path, "cannot write"):
         if not is_url(path):
-            local = _local(path)
+            local = local_path(path)
             parent = os.path.dirname(os.path.abspath(local))
             os.makedirs(parent, exist_ok=True)
             tmp = os.path.join(parent, f".tmp-{uuid.uuid4().hex[:12]}-{os.path.basename(local)}")
@@ -289,7 +290,7 @@ def exists(path: str) -> bool:
     """Whether a file or folder exists. A missing bucket is an error, not False."""
     with _errors(path, "cannot check"):
         if not is_url(path):
-            return os.path.exists(_local(path))
+            return os.path.exists(local_path(path))
         fs, p = filesystem(path)
         return fs.exists(p)
 
@@ -298,7 +299,7 @@ def size(path: str) -> int:
     """Size of a file in bytes."""
     with _errors(path, "cannot stat"):
         if not is_url(path):
-            return os.path.getsize(_local(path))
+            return os.path.getsize(local_path(path))
         fs, p = filesystem(path)
         return int(fs.size(p))
 
@@ -308,7 +309,7 @@ def listdir(path: str) -> list[str]:
     A folder that does not exist raises :class:`StorageNotFoundError`."""
     with _errors(path, "cannot list"):
         if not is_url(path):
-            return sorted(os.listdir(_local(path)))
+            return sorted(os.listdir(local_path(path)))
         fs, p = filesystem(path)
         entries = fs.ls(p.rstrip("/"), detail=False, refresh=True)
         names = {e.rstrip("/").rsplit("/", 1)[-1] for e in entries}
@@ -322,7 +323,7 @@ def list_sizes(path: str) -> dict[str, int]:
     :class:`StorageNotFoundError`."""
     with _errors(path, "cannot list"):
         if not is_url(path):
-            with os.scandir(_local(path)) as entries:
+            with os.scandir(local_path(path)) as entries:
                 return {e.name: e.stat().st_size for e in entries if e.is_file()}
         fs, p = filesystem(path)
         entries = fs.ls(p.rstrip("/"), detail=True, refresh=True)
@@ -338,7 +339,7 @@ def makedirs(path: str) -> None:
         check_access(path)  # not fs.exists: it answers False for an unreachable service too
         return
     with _errors(path, "cannot create folder"):
-        os.makedirs(_local(path), exist_ok=True)
+        os.makedirs(local_path(path), exist_ok=True)
 
 
 def remove(path: str, recursive: bool = False) -> None:
@@ -346,7 +347,7 @@ def remove(path: str, recursive: bool = False) -> None:
     something that is not there is not an error."""
     with _errors(path, "cannot remove"):
         if not is_url(path):
-            local = _local(path)
+            local = local_path(path)
             if os.path.isdir(local) and not os.path.islink(local):
                 if recursive:
                     shutil.rmtree(local)

@@ -147,11 +147,6 @@ def _first_line(e: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def scorer_of(model: torch.nn.Module, quantize: str) -> torch.jit.ScriptModule:
-    """The TorchScript scoring module of an unsharded DLRMTrain (see :mod:`.scorer`)."""
-    return torch.jit.script(scorer_module(model, quantize))
-
-
 def scorer_module(model: torch.nn.Module, quantize: str) -> Scorer:
     """The plain-torch scoring module of an unsharded DLRMTrain, in eval mode, no gradients."""
     dlrm = model.model
@@ -189,26 +184,40 @@ def check_against_torchrec(model: torch.nn.Module, scorer: torch.jit.ScriptModul
         )
 
 
-def torchscript_scorer(model: torch.nn.Module, quantize: str, cfg: ModelConfig, required: bool) -> dict[str, Any]:
+class Scorers:
+    """The plain scoring module of each quantization of one model, built once (quantizing
+    copies every table) and shared by the formats written, their checks and ``tables.pt``."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._built: dict[str, Scorer] = {}
+
+    def __call__(self, quantize: str) -> Scorer:
+        if quantize not in self._built:
+            self._built[quantize] = scorer_module(self.model, quantize)
+        return self._built[quantize]
+
+
+def torchscript_scorer(scorers: Scorers, quantize: str, cfg: ModelConfig, required: bool) -> dict[str, Any]:
     """``{scorer.pt: bytes, fp32_bytes: n}``: the TorchScript scorer of ``quantize``, its float32
     twin checked against TorchRec's logits. A model TorchScript cannot compile (DCNv2's
     CrossNet indexes its layers by a loop variable) stops the export when ``required``
     (``--format torchscript``), else is left out with a note: the pt2 package serves."""
     try:
-        fp32 = scorer_of(model, "none")
-        scorer = fp32 if quantize == "none" else scorer_of(model, quantize)
+        fp32 = torch.jit.script(scorers("none"))
+        scorer = fp32 if quantize == "none" else torch.jit.script(scorers(quantize))
     except Exception as e:  # noqa: BLE001 - TorchScript's compiler fails in many ways
         if required:
             raise ServingError(f"cannot build {SCORER_FILE} (--format torchscript): {_first_line(e)}") from None
         print(f"torchrec-cloud export: note: no {SCORER_FILE}, the pt2 package serves (TorchScript cannot "
               f"compile this model: {_first_line(e)})", file=sys.stderr)  # fmt: skip
         return {}
-    check_against_torchrec(model, fp32, cfg)
+    check_against_torchrec(scorers.model, fp32, cfg)
     data = _module_bytes(scorer)
     return {SCORER_FILE: data, "fp32_bytes": len(_module_bytes(fp32)) if quantize != "none" else len(data)}
 
 
-def pt2_packages(model: torch.nn.Module, quantize: str, cfg: ModelConfig, required: bool) -> dict[str, bytes]:
+def pt2_packages(scorers: Scorers, quantize: str, cfg: ModelConfig, required: bool) -> dict[str, bytes]:
     """``scorer.pt2`` (and ``scorer.cuda.pt2`` on a machine with CUDA): the scoring module of
     ``quantize`` as a torch.export program compiled by AOTInductor, each checked by
     :func:`check_pt2`. A package that does not build (no C++ compiler, say) stops the export
@@ -218,14 +227,14 @@ def pt2_packages(model: torch.nn.Module, quantize: str, cfg: ModelConfig, requir
     packages: dict[str, bytes] = {}
     for device in devices:
         try:
-            data = pt2_package(scorer_module(model, quantize), cfg, device)
+            data = pt2_package(scorers(quantize), cfg, device)
         except Exception as e:  # noqa: BLE001 - export and the C++ build fail in many ways
             if required:
                 raise ServingError(f"cannot build {PT2_FILES[device]} (--format pt2): {_first_line(e)}") from None
             print(f"torchrec-cloud export: note: no {PT2_FILES[device]}, TorchScript serves "
                   f"(torch.export or AOTInductor failed: {_first_line(e)})", file=sys.stderr)  # fmt: skip
             continue
-        check_pt2(data, device, model, scorer_module(model, quantize), quantize, cfg)
+        check_pt2(data, device, scorers.model, scorers(quantize), quantize, cfg)
         packages[PT2_FILES[device]] = data
     return packages
 
@@ -356,13 +365,17 @@ def export(
             print(f"torchrec-cloud export: note: no read lease placed in {info.path} (not writable): a training "
                   "job's retention could delete it while it is read", file=sys.stderr)  # fmt: skip
         model = unsharded_model(info, cfg)
-    scripted = torchscript_scorer(model, quantize, cfg.model, required=ts_asked) if "torchscript" in formats else {}
-    packages = pt2_packages(model, quantize, cfg.model, required=pt2_asked or not scripted) if "pt2" in formats else {}
+    scorers = Scorers(model)
+    scripted = torchscript_scorer(scorers, quantize, cfg.model, required=ts_asked) if "torchscript" in formats else {}
+    packages = pt2_packages(scorers, quantize, cfg.model, required=pt2_asked or not scripted) if "pt2" in formats else {}
     weights = io.BytesIO()
     torch.save({k: v.detach().contiguous() for k, v in model.state_dict().items()}, weights)
-    tables = io.BytesIO()  # what serve maps, shared by its workers (serving.runtime, map_tables)
-    torch.save({k: v.contiguous() for k, v in scorer_module(model, quantize).tables.state_dict().items()
-                if k in TABLE_BUFFERS}, tables)  # fmt: skip
+    # What serve maps in place of the TorchScript scorer's tables, shared by its workers
+    # (serving.runtime); a pt2 package keeps its own, so without scorer.pt there is none.
+    tables = io.BytesIO()
+    if scripted:
+        torch.save({k: v.contiguous() for k, v in scorers(quantize).tables.state_dict().items()
+                    if k in TABLE_BUFFERS}, tables)  # fmt: skip
 
     config: dict[str, Any] = {
         "format": MODEL_FORMAT,
@@ -381,7 +394,7 @@ def export(
         "checkpoint": {"path": info.path, "step": info.step, "world_size": info.world_size},
         "quantize": quantize,
         "files": {**{k: len(v) for k, v in {**scripted, **packages}.items() if k in FILE_NAMES},
-                  WEIGHTS_FILE: len(weights.getvalue()), TABLES_FILE: len(tables.getvalue())},
+                  WEIGHTS_FILE: len(weights.getvalue()), **({TABLES_FILE: len(tables.getvalue())} if scripted else {})},
         **({"scorer_bytes_fp32": scripted["fp32_bytes"]} if scripted else {}),
         **transforms,
     }
@@ -391,7 +404,7 @@ def export(
         config["lineage"] = lineage
     if quantize != "none":
         try:
-            config["quantization"] = quantization_cost(scorer_module(model, "none"), scorer_module(model, quantize),
+            config["quantization"] = quantization_cost(scorers("none"), scorers(quantize),
                                                        cfg, eval_rows, pinned, f"checkpoint {info.path}")  # fmt: skip
         except (ConfigError, storage.StorageError) as e:
             config["quantization"] = {"not_measured": _first_line(e)}
@@ -406,7 +419,10 @@ def export(
         elif storage.exists(storage.join(output, name)):
             storage.remove(storage.join(output, name))  # an earlier export's: not this model
     storage.write_bytes(storage.join(output, WEIGHTS_FILE), weights.getvalue())
-    storage.write_bytes(storage.join(output, TABLES_FILE), tables.getvalue())
+    if scripted:
+        storage.write_bytes(storage.join(output, TABLES_FILE), tables.getvalue())
+    elif storage.exists(storage.join(output, TABLES_FILE)):
+        storage.remove(storage.join(output, TABLES_FILE))  # an earlier export's: not this model
     for path, data in vocab_files.items():
         storage.write_bytes(storage.join(output, *path.split("/")), data)
     storage.write_bytes(config_path, json.dumps(config, indent=1).encode())

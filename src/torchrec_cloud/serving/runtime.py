@@ -123,7 +123,7 @@ def _map_tables(scorer: LoadedScorer, model_dir: str, config: dict[str, Any]) ->
     path = storage.join(model_dir, TABLES_FILE)
     size = config["files"][TABLES_FILE]
     try:
-        fd = os.open(storage._local(path), os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(storage.local_path(path), os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as e:
         raise ServingError(f"{path}: cannot open it ({e.strerror}), though its {CONFIG_FILE} lists it: export again") from None
     try:
