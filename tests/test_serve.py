@@ -745,6 +745,51 @@ def test_a_tables_file_that_is_not_the_scorers_is_refused(events, tmp_path):
     assert "cannot open" in damaged("link", link)
 
 
+def test_tables_from_a_bucket_are_one_local_file_that_every_loader_of_the_version_maps(events, s3_service, monkeypatch, tmp_path):
+    """A model folder in a bucket: its tables.pt is copied once to a local file named by its
+    digest in a private folder, which each loader (each worker) maps; scores as the scorer's
+    own tables; the copies of older versions beyond the one before are removed."""
+    import tempfile
+
+    import torch
+
+    from torchrec_cloud import storage
+    from torchrec_cloud.serving import read_model_config
+    from torchrec_cloud.serving.runtime import load_scorer
+
+    for key, value in s3_service.env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    root = f"{s3_service.url}/mapped-{tmp_path.name}"
+    for version, model in (("v1", events / "model"), ("v2", events / "model_step3")):
+        for f in model.rglob("*"):
+            if f.is_file():
+                storage.write_bytes(storage.join(root, version, *f.relative_to(model).parts), f.read_bytes())
+    features = read_model_config(str(events / "model"))["features"]
+    g = torch.Generator().manual_seed(0)
+    dense = torch.rand(3, features["dense"], generator=g)
+    lengths = torch.ones(3 * len(features["sparse"]), dtype=torch.int64)
+    values = torch.zeros(len(lengths), dtype=torch.int64)
+    first, second = (load_scorer(f"{root}/v1", "torchscript", map_tables=True) for _ in range(2))
+    copies = tmp_path / f"torchrec-cloud-tables-{os.getuid()}"
+    assert first.mapped == second.mapped and Path(first.mapped).parent == copies, (first.mapped, second.mapped)
+    assert Path(first.mapped).read_bytes() == (events / "model" / "tables.pt").read_bytes()
+    assert copies.stat().st_mode & 0o077 == 0
+    plain = load_scorer(f"{root}/v1", "torchscript")
+    assert plain.mapped is None
+    assert torch.equal(first.logits_of_bags(dense, values, lengths), plain.logits_of_bags(dense, values, lengths))
+
+    newer = load_scorer(f"{root}/v2", "torchscript", map_tables=True)
+    assert newer.mapped != first.mapped and sorted(p.name for p in copies.iterdir()) == sorted(
+        Path(p).name for p in (first.mapped, newer.mapped))
+    # A third version's copy (here: an older folder's tables written as one): the oldest goes.
+    third = copies / ("0" * 64 + ".pt")
+    third.write_bytes(b"x")
+    os.utime(first.mapped, (1, 1))
+    load_scorer(f"{root}/v2", "torchscript", map_tables=True)
+    assert sorted(p.name for p in copies.iterdir()) == sorted([Path(newer.mapped).name, third.name])
+
+
 def test_workers_below_one_are_refused_naming_the_flag(tmp_path, capsys):
     capsys.readouterr()
     rc = main(["serve", str(tmp_path), "--workers", "0", "--port", str(free_port())])

@@ -24,14 +24,16 @@ from one call to the next.
 ``map_tables=True`` (``serve``): the TorchScript scorer's tables are replaced by the folder's
 ``tables.pt`` mapped read-only (``torch.load(..., mmap=True)``, no copy), so every process that
 serves the folder shares one copy of them in the page cache; ``scorer.mapped`` says whether
-they were (a folder in a bucket, an export without ``tables.pt``, or the pt2 runtime: each
-process holds its copy, docs/serving.md). The files are code (a TorchScript
+they were (an export without ``tables.pt``, or the pt2 runtime: each process holds its copy,
+docs/serving.md). From a bucket, ``tables.pt`` is copied once to a local file named by its
+digest, which every process serving that version maps. The files are code (a TorchScript
 archive, a shared library): a model folder must come from a trusted writer (docs/security.md);
 each is read no further than the size ``model_config.json`` records.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import stat
@@ -110,7 +112,7 @@ def load_scorer(
     if device == "cuda":
         module = module.to("cuda")
     scorer = LoadedScorer(module, "torchscript", storage.join(model_dir, SCORER_FILE), device)
-    if map_tables and device == "cpu" and TABLES_FILE in config["files"] and not storage.is_url(model_dir):
+    if map_tables and device == "cpu" and TABLES_FILE in config["files"]:
         _map_tables(scorer, model_dir, config)
     return scorer
 
@@ -122,8 +124,9 @@ def _map_tables(scorer: LoadedScorer, model_dir: str, config: dict[str, Any]) ->
     must have the dtype and shape of the table it replaces and the same first and last row."""
     path = storage.join(model_dir, TABLES_FILE)
     size = config["files"][TABLES_FILE]
+    local = _local_copy(path, size) if storage.is_url(model_dir) else storage.local_path(path)
     try:
-        fd = os.open(storage.local_path(path), os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(local, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as e:
         raise ServingError(f"{path}: cannot open it ({e.strerror}), though its {CONFIG_FILE} lists it: export again") from None
     try:
@@ -151,7 +154,41 @@ def _map_tables(scorer: LoadedScorer, model_dir: str, config: dict[str, Any]) ->
     for name in TABLE_BUFFERS:
         setattr(tables, name, mapped[name])
     assert tables.weight.data_ptr() == mapped["weight"].data_ptr()  # the module reads the mapping, no copy
-    scorer.mapped = path
+    scorer.mapped = local
+
+
+# Copies of tables.pt from buckets kept on this machine: the current version's and the one
+# before (a swap's old version may still be mapped; deleting a mapped file is safe anyway:
+# the mapping keeps it until unmapped).
+_KEPT_COPIES = 2
+
+
+def _local_copy(url: str, size: int) -> str:
+    """A local file with the bytes of ``url`` (read no further than ``size``), named by their
+    digest in a folder of this user's, so that every worker process serving the same version
+    maps the same file: the page cache holds one copy, as for a local folder."""
+    data = _read(url, size)
+    folder = os.path.join(tempfile.gettempdir(), f"torchrec-cloud-tables-{os.getuid()}")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        # another user's folder (or a link) could hand this process other tables
+        raise ServingError(f"{folder} is not a private folder of this user: cannot keep {url} there")
+    target = os.path.join(folder, hashlib.sha256(data).hexdigest() + ".pt")
+    if not os.path.isfile(target) or os.path.getsize(target) != len(data):
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".partial")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, target)  # whole or absent: workers racing write the same bytes
+    os.utime(target)
+    copies = sorted((e for e in os.scandir(folder) if e.name.endswith(".pt")), key=lambda e: e.stat().st_mtime)
+    for old in copies[:-_KEPT_COPIES]:
+        if old.path != target:
+            try:
+                os.unlink(old.path)
+            except FileNotFoundError:  # another worker's tidy-up was first
+                pass
+    return target
 
 
 def _read(path: str, size: int) -> bytes:
