@@ -133,7 +133,8 @@ def _preprocess_schema(ns: argparse.Namespace) -> int:
 
 
 def _preprocess_criteo(ns: argparse.Namespace) -> int:
-    from torchrec_cloud.data.criteo_preprocess import Options, preprocess
+    from torchrec_cloud.data import criteo_tsv
+    from torchrec_cloud.data.preprocess import preprocess
 
     sizes = _sizes(ns)
     chunk_mb = 64.0 if ns.chunk_mb is None else ns.chunk_mb
@@ -146,7 +147,7 @@ def _preprocess_criteo(ns: argparse.Namespace) -> int:
             "validation and test, the others are training data",
         )
     input_sizes = [storage.size(p) for p in ns.input]
-    opts = Options(
+    opts = criteo_tsv.Options(
         dataset=ns.format,
         inputs=list(ns.input),
         input_sizes=input_sizes,
@@ -156,7 +157,7 @@ def _preprocess_criteo(ns: argparse.Namespace) -> int:
         chunk_bytes=int(chunk_mb * (1 << 20)),
         rows_per_shard=ns.rows_per_shard or 500_000,
     )
-    result = preprocess(opts, workers=ns.workers, progress=not ns.no_progress)
+    result = preprocess(opts, workers=ns.workers, progress=Progress("preprocess", "rows", enabled=not ns.no_progress))
     m = result.manifest
     if result.already_complete:
         print(f"{ns.output} is already complete ({counted(m['rows'], 'row')} in {counted(len(m['shards']), 'shard')}); "
@@ -168,8 +169,8 @@ def _preprocess_criteo(ns: argparse.Namespace) -> int:
         f"({result.seconds:.1f}s, {rate:,.0f} rows/s; train {sum(e - s for _, s, e in m['splits']['train'])}, "
         f"val {sum(e - s for _, s, e in m['splits']['val'])}, test {sum(e - s for _, s, e in m['splits']['test'])})"
     )
-    if result.resumed_shards:
-        print(f"resumed: {plural(result.resumed_shards, 'shard')} {'was' if result.resumed_shards == 1 else 'were'} already done and kept")
+    if result.resumed:
+        print(f"resumed: {plural(result.resumed, 'shard')} {'was' if result.resumed == 1 else 'were'} already done and kept")
     _print_skipped(m["skipped_lines"], "line", m["skipped_examples"])
     return 0
 
