@@ -11,7 +11,8 @@
     torchrec-cloud data verify s3://bucket/criteo-1tb      # exit 1 naming a damaged shard
 
 Many machines: ``--shares N --share_index I`` (or a Kubernetes Indexed Job's
-``JOB_COMPLETION_INDEX``) converts share I of the inputs; see
+``JOB_COMPLETION_INDEX``) converts share I of the inputs (Criteo's: of its byte ranges and
+gzip files); see
 :mod:`~torchrec_cloud.data.preprocess`. Bad flags end with one line naming the flag (exit 2);
 bad input with ``FILE:LINE: what is wrong`` (exit 1). docs/data.md has the details.
 """
@@ -29,7 +30,7 @@ from torchrec_cloud.data.criteo_format import CAT_FEATURES
 from torchrec_cloud.progress import Progress, plural
 
 CRITEO_ONLY = ("num_embeddings", "num_embeddings_per_feature", "chunk_mb")
-SCHEMA_ONLY = ("split_by", "val_from", "test_from", "shares", "share_index", "max_list_length", "max_id_bytes", "vocab_from")
+SCHEMA_ONLY = ("split_by", "val_from", "test_from", "max_list_length", "max_id_bytes", "vocab_from")
 
 
 def _sizes(ns: argparse.Namespace) -> Optional[list[int]]:
@@ -111,9 +112,7 @@ def _preprocess_schema(ns: argparse.Namespace) -> int:
         print(f"{ns.output} is already complete ({m['rows']} rows in {len(m['shards'])} shards); nothing to do")
         return 0
     if m is None:
-        index, count = share or (0, 1)
-        print(f"share {index} of {count}: converted {plural(result.converted, 'input')} in {result.seconds:.1f}s; the "
-              "manifest is written by the last share to finish (or run the command again without --shares)")  # fmt: skip
+        _share_done(share, result.converted, "input", result.seconds)
         return 0
     rows = {k: sum(e - s for _, s, e in v) for k, v in m["splits"].items()}
     rate = m["rows"] / result.seconds if result.seconds > 0 else float("nan")
@@ -157,8 +156,13 @@ def _preprocess_criteo(ns: argparse.Namespace) -> int:
         chunk_bytes=int(chunk_mb * (1 << 20)),
         rows_per_shard=ns.rows_per_shard or 500_000,
     )
-    result = preprocess(opts, workers=ns.workers, progress=Progress("preprocess", "rows", enabled=not ns.no_progress))
+    share = _share(ns)
+    result = preprocess(opts, workers=ns.workers, share=share,
+                        progress=Progress("preprocess", "rows", enabled=not ns.no_progress))  # fmt: skip
     m = result.manifest
+    if m is None:
+        _share_done(share, result.converted, "task", result.seconds)
+        return 0
     if result.already_complete:
         print(f"{ns.output} is already complete ({counted(m['rows'], 'row')} in {counted(len(m['shards']), 'shard')}); "
               "nothing to do")
@@ -173,6 +177,12 @@ def _preprocess_criteo(ns: argparse.Namespace) -> int:
         print(f"resumed: {plural(result.resumed, 'shard')} {'was' if result.resumed == 1 else 'were'} already done and kept")
     _print_skipped(m["skipped_lines"], "line", m["skipped_examples"])
     return 0
+
+
+def _share_done(share: Optional[tuple[int, int]], converted: int, what: str, seconds: float) -> None:
+    index, count = share or (0, 1)
+    print(f"share {index} of {count}: converted {plural(converted, what)} in {seconds:.1f}s; the manifest is written "
+          "by the last share to finish (or run the command again without --shares)")  # fmt: skip
 
 
 def _print_skipped(count: int, what: str, examples: list[str]) -> None:
@@ -288,9 +298,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="--schema: yesterday's dataset (a folder or URL data preprocess wrote): its ids keep their rows, "
                         "new ones are admitted by min_count and take free or evicted rows (docs/daily.md)")  # fmt: skip
     p.add_argument("--shares", type=int, default=None, metavar="N",
-                   help="--schema: the inputs are converted by N runs (machines, pods); this run does one share")
+                   help="the inputs (Criteo's: its byte ranges and gzip files) are converted by N runs (machines, pods); "
+                        "this run does one share")
     p.add_argument("--share_index", type=int, default=None, metavar="I",
-                   help="--schema: this run's share, 0..N-1 (default: $JOB_COMPLETION_INDEX, a Kubernetes Indexed Job's)")
+                   help="this run's share, 0..N-1 (default: $JOB_COMPLETION_INDEX, a Kubernetes Indexed Job's)")
     p.add_argument("--wait_s", type=float, default=3600.0,
                    help="--shares: seconds to wait for the other shares' vocabulary counts")
     p.add_argument("--num_embeddings", type=int, default=None,

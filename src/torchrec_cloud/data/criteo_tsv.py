@@ -317,9 +317,49 @@ def _load_marker(opts: Options, source: int, shard: int) -> Optional[dict]:
     return marker
 
 
+TASKS_DIR = "_sources"
+
+
+def _task_url(opts: Options, task: Task) -> str:
+    return storage.join(opts.output, TASKS_DIR, f"{_source_stem(task.path)}-{task.shard:05d}.json")
+
+
 def run_task(opts: Options, task: Task, report: Callable[[int], Any] = lambda rows: None) -> list[dict]:
-    """Convert one task's lines to shards (skipping shards already committed); ``report``
-    gets the rows converted as they are."""
+    """Convert one task's lines to shards (skipping shards already committed), then commit
+    the task by a record of its shard count (so that whichever share finds every task's
+    record writes the manifest, :func:`committed_markers`); ``report`` gets the rows
+    converted as they are."""
+    markers = _convert_task(opts, task, report)
+    storage.write_bytes(_task_url(opts, task), json.dumps({"shards": len(markers)}).encode())
+    return markers
+
+
+def committed_markers(opts: Options, tasks: list[Task]) -> Optional[list[dict]]:
+    """Every task's shard markers, read back (each checked as its shard's), when every task
+    is committed: its record there and each of its shards' markers too (a marker deleted
+    since makes its task undone); None while one is not."""
+    try:
+        names = set(storage.listdir(storage.join(opts.output, SHARD_DIR)))
+    except storage.StorageNotFoundError:
+        return None
+    markers = []
+    for task in tasks:
+        url = _task_url(opts, task)
+        if not storage.exists(url):
+            return None
+        try:
+            count = Fields(read_record(url), url).int("shards", lo=1, hi=MAX_ROWS)
+        except UntrustedInputError as e:
+            raise PreprocessError(f"{e}; delete it, or use another --output") from None
+        first = task.shard if task.kind == "range" else 0
+        for shard in range(first, first + count):
+            if _shard_name(opts, task.source, shard) + ".done" not in names:
+                return None
+            markers.append(_load_marker(opts, task.source, shard))
+    return markers
+
+
+def _convert_task(opts: Options, task: Task, report: Callable[[int], Any]) -> list[dict]:
     if task.kind == "range":
         marker = _load_marker(opts, task.source, task.shard)
         if marker is not None:
@@ -483,15 +523,16 @@ def check_names(opts: Options) -> None:
         raise PreprocessError(f"two inputs have the same file name: {stems}; rename one")
 
 
-def clear_unfinished(opts: Options) -> set[str]:
-    """Remove what a killed run left half-written (``.tmp-`` files); the markers found committed."""
+def clear_unfinished(opts: Options, remove: bool = True) -> set[str]:
+    """The markers found committed; with ``remove``, what a killed run left half-written
+    (``.tmp-`` files) is deleted (not by a share: another share may be writing them now)."""
     storage.makedirs(storage.join(opts.output, SHARD_DIR))
     try:
         names = storage.listdir(storage.join(opts.output, SHARD_DIR))
     except storage.StorageNotFoundError:
         names = []
     for n in names:
-        if n.startswith(".tmp-"):
+        if remove and n.startswith(".tmp-"):
             storage.remove(storage.join(opts.output, SHARD_DIR, n))
     return {n for n in names if n.endswith(".done")}
 

@@ -499,14 +499,14 @@ def preprocess(opts: Options | criteo_tsv.Options, workers: int = 1, share: Opti
                wait_s: float = 3600.0, progress: Any = None) -> Result:  # fmt: skip
     """Preprocess ``opts.inputs`` (or share ``share = (index, count)`` of them) into
     ``opts.output``; the manifest is written by whichever run finds every input converted.
-    ``opts``: a schema's inputs, or Criteo's TSV (:class:`~torchrec_cloud.data.criteo_tsv.Options`:
-    the built-in schema, one share)."""
+    ``opts``: a schema's inputs, or Criteo's TSV (:class:`~torchrec_cloud.data.criteo_tsv.Options`,
+    the built-in schema: its shares are shares of its tasks, byte ranges and gzip files)."""
     from torchrec_cloud.progress import Progress
 
     t0 = time.perf_counter()
     progress = progress or Progress("preprocess", "rows", enabled=False)
     if isinstance(opts, criteo_tsv.Options):
-        return _preprocess_tsv(opts, workers, progress, t0)
+        return _preprocess_tsv(opts, workers, share, progress, t0)
     opts = dataclasses.replace(opts, split=_checked_split(opts))
     # PREV is checked before anything is written: a refused one leaves no run to resume.
     previous = vocab.load_previous(opts.vocab_from, opts.schema) if opts.vocab_from is not None else None
@@ -548,22 +548,30 @@ def preprocess(opts: Options | criteo_tsv.Options, workers: int = 1, share: Opti
     return Result(manifest, time.perf_counter() - t0, False, len(todo))
 
 
-def _preprocess_tsv(opts: criteo_tsv.Options, workers: int, progress: Any, t0: float) -> Result:
+def _preprocess_tsv(opts: criteo_tsv.Options, workers: int, share: Optional[tuple[int, int]], progress: Any,
+                    t0: float) -> Result:  # fmt: skip
     """Criteo's TSV: no counting pass (ids modulo the table sizes; each file's smallest
     integer counted as its rows are converted); its tasks (byte ranges of a plain file, whole
-    gzip files) converted in parallel, each shard committed by its marker."""
+    gzip files; share I of N takes tasks I, I + N, ...) converted in parallel, each shard
+    committed by its marker, each task by its record."""
     criteo_tsv.check_names(opts)
     done = prepare(opts.output, opts.plan(), lambda m: check_manifest(m, opts.output))
     if done is not None:
         return Result(done, time.perf_counter() - t0, True, resumed=len(done["shards"]))
-    committed = criteo_tsv.clear_unfinished(opts)
+    committed = criteo_tsv.clear_unfinished(opts, remove=share is None)
     tasks = criteo_tsv.plan_tasks(opts)
-    workers = min(workers or os.cpu_count() or 1, len(tasks))
-    results = run_each(criteo_tsv.run_task, opts, tasks, (), workers, progress, criteo_tsv.start_method())
+    mine = tasks if share is None else tasks[share[0]::share[1]]
+    workers = min(workers or os.cpu_count() or 1, max(len(mine), 1))
+    results = run_each(criteo_tsv.run_task, opts, mine, (), workers, progress, criteo_tsv.start_method())
     progress.close()
     markers = [m for ms in results for m in ms]
+    resumed = sum(1 for m in markers if m["shard"] + ".done" in committed)
+    if share is not None:  # every share's tasks, once all are committed
+        every = criteo_tsv.committed_markers(opts, tasks)
+        if every is None:
+            return Result(None, time.perf_counter() - t0, False, len(mine), resumed)
+        markers = every
     records, sources, examples = criteo_tsv.shard_records(opts, markers)
     manifest = conversion.write_manifest(opts.output, criteo_tsv.manifest_sections(opts), records, sources, examples,
                                          "skipped_lines")  # fmt: skip
-    resumed = sum(1 for m in markers if m["shard"] + ".done" in committed)
-    return Result(manifest, time.perf_counter() - t0, False, len(opts.inputs), resumed)
+    return Result(manifest, time.perf_counter() - t0, False, len(mine), resumed)
