@@ -220,7 +220,13 @@ def test_shares_write_what_one_run_writes(tmp_path, capsys):
     rc, stdout, err = preprocess(capsys, *args, "--output", str(out), "--shares", "2", "--share_index", "1")
     assert rc == 0, err
     assert "share 1 of 2: converted" in stdout and not (out / "manifest.json").exists()
+    # A shard of share 1's lost since (its task's record stays): no manifest without it.
+    lost = sorted((out / "shards").glob("day_1-*.bin.done"))[-1]
+    lost.unlink()
     rc, stdout, err = preprocess(capsys, *args, "--output", str(out), "--shares", "2", "--share_index", "0")
+    assert rc == 0 and "share 0 of 2: converted" in stdout and not (out / "manifest.json").exists(), (stdout, err)
+    # Share 1 again (a retried pod) converts it and, finding every task, writes the manifest.
+    rc, stdout, err = preprocess(capsys, *args, "--output", str(out), "--shares", "2", "--share_index", "1")
     assert rc == 0 and "wrote 1600 rows" in stdout, (stdout, err)
     one, shared = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("one", "shared"))
     assert shared["splits"] == one["splits"] and shared["sources"] == one["sources"]
