@@ -107,28 +107,7 @@ def _preprocess_schema(ns: argparse.Namespace) -> int:
     result = own.preprocess(opts, workers=ns.workers or (os.cpu_count() or 1), share=share, wait_s=ns.wait_s,
                             progress=progress)  # fmt: skip
     progress.close()
-    m = result.manifest
-    if result.already_complete:
-        print(f"{ns.output} is already complete ({m['rows']} rows in {len(m['shards'])} shards); nothing to do")
-        return 0
-    if m is None:
-        _share_done(share, result.converted, "input", result.seconds)
-        return 0
-    rows = {k: sum(e - s for _, s, e in v) for k, v in m["splits"].items()}
-    rate = m["rows"] / result.seconds if result.seconds > 0 else float("nan")
-    grown = m.get("vocabulary") or {}
-    if grown.get("version"):
-        reset = sum(len(r) for r in grown["reset_rows"].values())
-        print(f"vocabulary version {grown['version']} (from {ns.vocab_from}): {plural(reset, 'row')} given to new ids "
-              "in place of evicted ones")  # fmt: skip
-    print(f"wrote {m['rows']} rows in {len(m['shards'])} shards to {ns.output} ({result.seconds:.1f}s, {rate:,.0f} rows/s; "
-          f"train {rows['train']}, val {rows['val']}, test {rows['test']}); tables: "
-          + ", ".join(f"{n} {s}" for n, s in zip(m["features"]["sparse"], m["transforms"]["table_sizes"])))  # fmt: skip
-    empty = [k for k, v in rows.items() if v == 0]
-    if empty:
-        print(f"note: the {' and '.join(empty)} split(s) have no rows; training needs all three (see --split_by)")
-    _print_skipped(m["skipped_rows"], "row", m["skipped_examples"])
-    return 0
+    return _report(ns, share, result)
 
 
 def _preprocess_criteo(ns: argparse.Namespace) -> int:
@@ -157,32 +136,47 @@ def _preprocess_criteo(ns: argparse.Namespace) -> int:
         rows_per_shard=ns.rows_per_shard or 500_000,
     )
     share = _share(ns)
-    result = preprocess(opts, workers=ns.workers, share=share,
-                        progress=Progress("preprocess", "rows", enabled=not ns.no_progress))  # fmt: skip
+    progress = Progress("preprocess", "rows", enabled=not ns.no_progress)
+    result = preprocess(opts, workers=ns.workers, share=share, progress=progress)
+    progress.close()
+    return _report(ns, share, result)
+
+
+def _report(ns: argparse.Namespace, share: Optional[tuple[int, int]], result: Any) -> int:
+    """What a preprocessing run did, for either input format: a share's part, an output
+    already complete, or the dataset written (its splits, vocabulary version, tables, the
+    shards kept from an interrupted run, the first bad rows skipped)."""
     m = result.manifest
+    criteo = ns.format is not None
     if m is None:
-        _share_done(share, result.converted, "task", result.seconds)
+        index, count = share or (0, 1)
+        print(f"share {index} of {count}: converted {plural(result.converted, 'task' if criteo else 'input')} in "
+              f"{result.seconds:.1f}s; the manifest is written by the last share to finish (or run the command again "
+              "without --shares)")  # fmt: skip
         return 0
+    shape = f"{counted(m['rows'], 'row')} in {counted(len(m['shards']), 'shard')}"
     if result.already_complete:
-        print(f"{ns.output} is already complete ({counted(m['rows'], 'row')} in {counted(len(m['shards']), 'shard')}); "
-              "nothing to do")
+        print(f"{ns.output} is already complete ({shape}); nothing to do")
         return 0
+    rows = {k: sum(e - s for _, s, e in v) for k, v in m["splits"].items()}
     rate = m["rows"] / result.seconds if result.seconds > 0 else float("nan")
-    print(
-        f"wrote {counted(m['rows'], 'row')} in {counted(len(m['shards']), 'shard')} to {ns.output} "
-        f"({result.seconds:.1f}s, {rate:,.0f} rows/s; train {sum(e - s for _, s, e in m['splits']['train'])}, "
-        f"val {sum(e - s for _, s, e in m['splits']['val'])}, test {sum(e - s for _, s, e in m['splits']['test'])})"
-    )
+    grown = m.get("vocabulary") or {}
+    if grown.get("version"):
+        reset = sum(len(r) for r in grown["reset_rows"].values())
+        print(f"vocabulary version {grown['version']} (from {ns.vocab_from}): {plural(reset, 'row')} given to new ids "
+              "in place of evicted ones")  # fmt: skip
+    tables = "" if criteo else "; tables: " + ", ".join(
+        f"{n} {s}" for n, s in zip(m["features"]["sparse"], m["transforms"]["table_sizes"]))  # fmt: skip
+    print(f"wrote {shape} to {ns.output} ({result.seconds:.1f}s, {rate:,.0f} rows/s; train {rows['train']}, "
+          f"val {rows['val']}, test {rows['test']}){tables}")  # fmt: skip
+    empty = [k for k, v in rows.items() if v == 0]
+    if empty:
+        print(f"note: the {' and '.join(empty)} split(s) have no rows; training needs all three"
+              + ("" if criteo else " (see --split_by)"))  # fmt: skip
     if result.resumed:
         print(f"resumed: {plural(result.resumed, 'shard')} {'was' if result.resumed == 1 else 'were'} already done and kept")
-    _print_skipped(m["skipped_lines"], "line", m["skipped_examples"])
+    _print_skipped(m["skipped_rows"], "line" if criteo else "row", m["skipped_examples"])
     return 0
-
-
-def _share_done(share: Optional[tuple[int, int]], converted: int, what: str, seconds: float) -> None:
-    index, count = share or (0, 1)
-    print(f"share {index} of {count}: converted {plural(converted, what)} in {seconds:.1f}s; the manifest is written "
-          "by the last share to finish (or run the command again without --shares)")  # fmt: skip
 
 
 def _print_skipped(count: int, what: str, examples: list[str]) -> None:
