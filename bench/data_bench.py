@@ -31,7 +31,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from torchrec_cloud.data import criteo_preprocess  # noqa: E402
+from torchrec_cloud.data import criteo_tsv  # noqa: E402
+from torchrec_cloud.data.preprocess import preprocess as run_preprocess  # noqa: E402
 from torchrec_cloud.data.criteo_gen import write_criteo_tsv  # noqa: E402
 from torchrec_cloud.data.reader import criteo_source  # noqa: E402
 
@@ -44,12 +45,12 @@ def timed(fn) -> float:
 
 def preprocess(tsv: Path, out: Path, workers: int) -> float:
     """Seconds of ``data preprocess`` (the conversion itself, without interpreter start-up)."""
-    opts = criteo_preprocess.Options(
+    opts = criteo_tsv.Options(
         dataset="kaggle", inputs=[str(tsv)], input_sizes=[tsv.stat().st_size], output=str(out),
         num_embeddings_per_feature=[100000] * 26, on_bad_line="error", chunk_bytes=16 << 20,
         rows_per_shard=500_000,
     )
-    result = criteo_preprocess.preprocess(opts, workers=workers, progress=False)
+    result = run_preprocess(opts, workers=workers)  # the one preprocessor, Criteo's TSV as its input
     # The one dataset format, Criteo as the built-in schema: what `train --dataset_path` reads.
     assert result.manifest["format"] == "torchrec-cloud-shards" and result.manifest["schema"]["name"] == "criteo"
     return result.seconds

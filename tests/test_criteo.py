@@ -205,6 +205,34 @@ def test_resume_output_equals_uninterrupted(tmp_path, capsys):
     np.testing.assert_array_equal(shard_records(str(out)), whole)
 
 
+def test_shares_write_what_one_run_writes(tmp_path, capsys):
+    """Criteo's TSV in shares (the pods of an Indexed Job), as a schema's inputs are: share I
+    takes tasks I, I + N, ... (byte ranges, gzip files), the share that finds every task
+    committed writes the manifest, and the dataset is the one a single run writes."""
+    day0 = tmp_path / "day_0.gz"
+    write_criteo_tsv(str(day0), rows=900, seed=6)
+    day1 = tmp_path / "day_1"
+    write_criteo_tsv(str(day1), rows=700, seed=7)
+    args = ["--format", "terabyte", "--input", str(day0), str(day1), "--rows_per_shard", "400", "--chunk_mb", "0.03",
+            "--num_embeddings", "777", "--workers", "1"]  # fmt: skip
+    assert preprocess(capsys, *args, "--output", str(tmp_path / "one"))[0] == 0
+    out = tmp_path / "shared"
+    rc, stdout, err = preprocess(capsys, *args, "--output", str(out), "--shares", "2", "--share_index", "1")
+    assert rc == 0, err
+    assert "share 1 of 2: converted" in stdout and not (out / "manifest.json").exists()
+    # A shard of share 1's lost since (its task's record stays): no manifest without it.
+    lost = sorted((out / "shards").glob("day_1-*.bin.done"))[-1]
+    lost.unlink()
+    rc, stdout, err = preprocess(capsys, *args, "--output", str(out), "--shares", "2", "--share_index", "0")
+    assert rc == 0 and "share 0 of 2: converted" in stdout and not (out / "manifest.json").exists(), (stdout, err)
+    # Share 1 again (a retried pod) converts it and, finding every task, writes the manifest.
+    rc, stdout, err = preprocess(capsys, *args, "--output", str(out), "--shares", "2", "--share_index", "1")
+    assert rc == 0 and "wrote 1600 rows" in stdout, (stdout, err)
+    one, shared = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("one", "shared"))
+    assert shared["splits"] == one["splits"] and shared["sources"] == one["sources"]
+    np.testing.assert_array_equal(shard_records(str(out)), shard_records(str(tmp_path / "one")))
+
+
 BAD_LINES = {
     "fields": ("1\t2\t3", "expected 40 tab-separated fields"),
     "dense": (None, "integer feature int_4"),

@@ -22,10 +22,11 @@ Where batches come from, by concept (modules of this package):
 - a dataset on disk or in a bucket (``--dataset_path``), made by ``torchrec-cloud data
   preprocess`` from a schema (``schema``: the YAML file; ``tabular``: Parquet and CSV
   inputs; ``transforms``: raw values to model inputs, shared by preprocessing and
-  ``predict``; ``preprocess``: the conversion; ``conversion``: what every input format's
-  preprocessing run shares; ``dataset``: its manifest, one format for
-  every schema) or from Criteo's TSV, the built-in schema (``criteo_parse``,
-  ``criteo_preprocess``, ``criteo_format``); read by one reader (``reader``, rows reaching
+  ``predict``; ``preprocess``: the one preprocessor, for every input format;
+  ``conversion``: what every input format's run shares, the manifest written last;
+  ``dataset``: its manifest, one format for every schema) or from Criteo's TSV, the built-in
+  schema, one input format of that preprocessor (``criteo_tsv``, ``criteo_parse``,
+  ``criteo_format``); read by one reader (``reader``, rows reaching
   ranks by ``shards``), whose batches are made per record (``reader.batch_of`` for a schema's,
   ``criteo_reader.CriteoBatcher`` for Criteo's);
 - your own code (``--data_source module:function``, returning a :class:`DataSource`);

@@ -11,7 +11,8 @@
     torchrec-cloud data verify s3://bucket/criteo-1tb      # exit 1 naming a damaged shard
 
 Many machines: ``--shares N --share_index I`` (or a Kubernetes Indexed Job's
-``JOB_COMPLETION_INDEX``) converts share I of the inputs; see
+``JOB_COMPLETION_INDEX``) converts share I of the inputs (Criteo's: of its byte ranges and
+gzip files); see
 :mod:`~torchrec_cloud.data.preprocess`. Bad flags end with one line naming the flag (exit 2);
 bad input with ``FILE:LINE: what is wrong`` (exit 1). docs/data.md has the details.
 """
@@ -29,7 +30,7 @@ from torchrec_cloud.data.criteo_format import CAT_FEATURES
 from torchrec_cloud.progress import Progress, plural
 
 CRITEO_ONLY = ("num_embeddings", "num_embeddings_per_feature", "chunk_mb")
-SCHEMA_ONLY = ("split_by", "val_from", "test_from", "shares", "share_index", "max_list_length", "max_id_bytes", "vocab_from")
+SCHEMA_ONLY = ("split_by", "val_from", "test_from", "max_list_length", "max_id_bytes", "vocab_from")
 
 
 def _sizes(ns: argparse.Namespace) -> Optional[list[int]]:
@@ -106,34 +107,12 @@ def _preprocess_schema(ns: argparse.Namespace) -> int:
     result = own.preprocess(opts, workers=ns.workers or (os.cpu_count() or 1), share=share, wait_s=ns.wait_s,
                             progress=progress)  # fmt: skip
     progress.close()
-    m = result.manifest
-    if result.already_complete:
-        print(f"{ns.output} is already complete ({m['rows']} rows in {len(m['shards'])} shards); nothing to do")
-        return 0
-    if m is None:
-        index, count = share or (0, 1)
-        print(f"share {index} of {count}: converted {plural(result.converted, 'input')} in {result.seconds:.1f}s; the "
-              "manifest is written by the last share to finish (or run the command again without --shares)")  # fmt: skip
-        return 0
-    rows = {k: sum(e - s for _, s, e in v) for k, v in m["splits"].items()}
-    rate = m["rows"] / result.seconds if result.seconds > 0 else float("nan")
-    grown = m.get("vocabulary") or {}
-    if grown.get("version"):
-        reset = sum(len(r) for r in grown["reset_rows"].values())
-        print(f"vocabulary version {grown['version']} (from {ns.vocab_from}): {plural(reset, 'row')} given to new ids "
-              "in place of evicted ones")  # fmt: skip
-    print(f"wrote {m['rows']} rows in {len(m['shards'])} shards to {ns.output} ({result.seconds:.1f}s, {rate:,.0f} rows/s; "
-          f"train {rows['train']}, val {rows['val']}, test {rows['test']}); tables: "
-          + ", ".join(f"{n} {s}" for n, s in zip(m["features"]["sparse"], m["transforms"]["table_sizes"])))  # fmt: skip
-    empty = [k for k, v in rows.items() if v == 0]
-    if empty:
-        print(f"note: the {' and '.join(empty)} split(s) have no rows; training needs all three (see --split_by)")
-    _print_skipped(m["skipped_rows"], "row", m["skipped_examples"])
-    return 0
+    return _report(ns, share, result)
 
 
 def _preprocess_criteo(ns: argparse.Namespace) -> int:
-    from torchrec_cloud.data.criteo_preprocess import Options, preprocess
+    from torchrec_cloud.data import criteo_tsv
+    from torchrec_cloud.data.preprocess import preprocess
 
     sizes = _sizes(ns)
     chunk_mb = 64.0 if ns.chunk_mb is None else ns.chunk_mb
@@ -146,7 +125,7 @@ def _preprocess_criteo(ns: argparse.Namespace) -> int:
             "validation and test, the others are training data",
         )
     input_sizes = [storage.size(p) for p in ns.input]
-    opts = Options(
+    opts = criteo_tsv.Options(
         dataset=ns.format,
         inputs=list(ns.input),
         input_sizes=input_sizes,
@@ -156,21 +135,47 @@ def _preprocess_criteo(ns: argparse.Namespace) -> int:
         chunk_bytes=int(chunk_mb * (1 << 20)),
         rows_per_shard=ns.rows_per_shard or 500_000,
     )
-    result = preprocess(opts, workers=ns.workers, progress=not ns.no_progress)
+    share = _share(ns)
+    progress = Progress("preprocess", "rows", enabled=not ns.no_progress)
+    result = preprocess(opts, workers=ns.workers, share=share, progress=progress)
+    progress.close()
+    return _report(ns, share, result)
+
+
+def _report(ns: argparse.Namespace, share: Optional[tuple[int, int]], result: Any) -> int:
+    """What a preprocessing run did, for either input format: a share's part, an output
+    already complete, or the dataset written (its splits, vocabulary version, tables, the
+    shards kept from an interrupted run, the first bad rows skipped)."""
     m = result.manifest
-    if result.already_complete:
-        print(f"{ns.output} is already complete ({counted(m['rows'], 'row')} in {counted(len(m['shards']), 'shard')}); "
-              "nothing to do")
+    criteo = ns.format is not None
+    if m is None:
+        index, count = share or (0, 1)
+        print(f"share {index} of {count}: converted {plural(result.converted, 'task' if criteo else 'input')} in "
+              f"{result.seconds:.1f}s; the manifest is written by the last share to finish (or run the command again "
+              "without --shares)")  # fmt: skip
         return 0
+    shape = f"{counted(m['rows'], 'row')} in {counted(len(m['shards']), 'shard')}"
+    if result.already_complete:
+        print(f"{ns.output} is already complete ({shape}); nothing to do")
+        return 0
+    rows = {k: sum(e - s for _, s, e in v) for k, v in m["splits"].items()}
     rate = m["rows"] / result.seconds if result.seconds > 0 else float("nan")
-    print(
-        f"wrote {counted(m['rows'], 'row')} in {counted(len(m['shards']), 'shard')} to {ns.output} "
-        f"({result.seconds:.1f}s, {rate:,.0f} rows/s; train {sum(e - s for _, s, e in m['splits']['train'])}, "
-        f"val {sum(e - s for _, s, e in m['splits']['val'])}, test {sum(e - s for _, s, e in m['splits']['test'])})"
-    )
-    if result.resumed_shards:
-        print(f"resumed: {plural(result.resumed_shards, 'shard')} {'was' if result.resumed_shards == 1 else 'were'} already done and kept")
-    _print_skipped(m["skipped_lines"], "line", m["skipped_examples"])
+    grown = m.get("vocabulary") or {}
+    if grown.get("version"):
+        reset = sum(len(r) for r in grown["reset_rows"].values())
+        print(f"vocabulary version {grown['version']} (from {ns.vocab_from}): {plural(reset, 'row')} given to new ids "
+              "in place of evicted ones")  # fmt: skip
+    tables = "" if criteo else "; tables: " + ", ".join(
+        f"{n} {s}" for n, s in zip(m["features"]["sparse"], m["transforms"]["table_sizes"]))  # fmt: skip
+    print(f"wrote {shape} to {ns.output} ({result.seconds:.1f}s, {rate:,.0f} rows/s; train {rows['train']}, "
+          f"val {rows['val']}, test {rows['test']}){tables}")  # fmt: skip
+    empty = [k for k, v in rows.items() if v == 0]
+    if empty:
+        print(f"note: the {' and '.join(empty)} split(s) have no rows; training needs all three"
+              + ("" if criteo else " (see --split_by)"))  # fmt: skip
+    if result.resumed:
+        print(f"resumed: {plural(result.resumed, 'shard')} {'was' if result.resumed == 1 else 'were'} already done and kept")
+    _print_skipped(m["skipped_rows"], "line" if criteo else "row", m["skipped_examples"])
     return 0
 
 
@@ -287,9 +292,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="--schema: yesterday's dataset (a folder or URL data preprocess wrote): its ids keep their rows, "
                         "new ones are admitted by min_count and take free or evicted rows (docs/daily.md)")  # fmt: skip
     p.add_argument("--shares", type=int, default=None, metavar="N",
-                   help="--schema: the inputs are converted by N runs (machines, pods); this run does one share")
+                   help="the inputs (Criteo's: its byte ranges and gzip files) are converted by N runs (machines, pods); "
+                        "this run does one share")
     p.add_argument("--share_index", type=int, default=None, metavar="I",
-                   help="--schema: this run's share, 0..N-1 (default: $JOB_COMPLETION_INDEX, a Kubernetes Indexed Job's)")
+                   help="this run's share, 0..N-1 (default: $JOB_COMPLETION_INDEX, a Kubernetes Indexed Job's)")
     p.add_argument("--wait_s", type=float, default=3600.0,
                    help="--shares: seconds to wait for the other shares' vocabulary counts")
     p.add_argument("--num_embeddings", type=int, default=None,

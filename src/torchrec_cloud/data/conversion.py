@@ -1,12 +1,14 @@
-"""What every input format's preprocessing run shares (``data preprocess``, a schema's
-Parquet/CSV in :mod:`~torchrec_cloud.data.preprocess`, Criteo's TSV in
-:mod:`~torchrec_cloud.data.criteo_preprocess`): the plan that a resumed run must match
-(:func:`prepare`), the records a run commits read back as input (:func:`read_record`), and the
+"""What every input format of the one preprocessor shares (``data preprocess``,
+:mod:`~torchrec_cloud.data.preprocess`: a schema's Parquet/CSV, Criteo's TSV in
+:mod:`~torchrec_cloud.data.criteo_tsv`): the plan that a resumed run must match
+(:func:`prepare`), the records a run commits read back as input (:func:`read_record`), the
 worker processes that convert inputs, or parts of them, with their rows reported to one
-progress bar (:func:`run_each`)::
+progress bar (:func:`run_each`), and the manifest written from every shard's record
+(:func:`write_manifest`)::
 
     done = prepare(output, plan, check)          # the finished manifest, or None
     results = run_each(convert, opts, tasks, (), workers, progress)
+    manifest = write_manifest(output, sections, shard_records, sources, examples)
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from torchrec_cloud import storage
 from torchrec_cloud.data.criteo_parse import PreprocessError
-from torchrec_cloud.data.dataset import MANIFEST, MAX_MANIFEST_BYTES
+from torchrec_cloud.data.dataset import FORMAT_NAME, FORMAT_VERSION, MANIFEST, MAX_MANIFEST_BYTES, SPLITS
 from torchrec_cloud.untrusted import UntrustedInputError, read_json, shown
 
 PLAN = "_plan.json"
@@ -91,3 +93,31 @@ def _init_worker(queue: Any) -> None:
 
 def _in_worker(fn: Callable, opts: Any, item: Any, extra: tuple) -> Any:
     return fn(opts, item, *extra, _queue.put)
+
+
+def write_manifest(output: str, sections: dict, records: list[dict], sources: list[dict], examples: list[str],
+                   skipped_key: str = "skipped_rows") -> dict:  # fmt: skip
+    """The manifest of the dataset at ``output``, written last: the input format's ``sections``
+    (schema, record, features, transforms, ...), the shards with rows (from every shard's
+    ``records`` in row order, each with its rows of train, val and test, stored in that order)
+    and each split's ``[shard, first row, end row]`` segments, the ``sources`` (each with its
+    ``skipped_rows``) and the first skipped rows; ``skipped_key`` also names their count."""
+    shards: list[dict] = []
+    splits: dict[str, list[list[int]]] = {s: [] for s in SPLITS}
+    for e in records:
+        if e["rows"] == 0:
+            continue
+        k, lo = len(shards), 0
+        shards.append(e)
+        for split, n in zip(SPLITS, e["splits"]):
+            if n:
+                splits[split].append([k, lo, lo + n])
+            lo += n
+    skipped = sum(s["skipped_rows"] for s in sources)
+    manifest = {"format": FORMAT_NAME, "version": FORMAT_VERSION, **sections, "rows": sum(e["rows"] for e in shards),
+                "skipped_rows": skipped, skipped_key: skipped, "skipped_examples": examples[:20], "sources": sources,
+                "shards": shards, "splits": splits}  # fmt: skip
+    if manifest["rows"] == 0:
+        raise PreprocessError("no rows were converted: every row was skipped as bad")
+    storage.write_bytes(storage.join(output, MANIFEST), json.dumps(manifest, indent=1).encode())
+    return manifest

@@ -1,7 +1,7 @@
 """Criteo, the built-in schema, as stored: its record, and the Criteo parts of a dataset's
 ``manifest.json`` (the one format, ``torchrec-cloud-shards``, whose ``schema`` is the built-in
 ``criteo``: :func:`~torchrec_cloud.data.schema.criteo_schema`), written by
-:mod:`~torchrec_cloud.data.criteo_preprocess`, read by :mod:`~torchrec_cloud.data.reader` (its batches made by :mod:`~torchrec_cloud.data.criteo_reader`)
+:mod:`~torchrec_cloud.data.preprocess` from Criteo's TSV (:mod:`~torchrec_cloud.data.criteo_tsv`), read by :mod:`~torchrec_cloud.data.reader` (its batches made by :mod:`~torchrec_cloud.data.criteo_reader`)
 (docs/data.md describes both), with the checks that need no torch: the manifest
 (:func:`load_manifest`; the shards and splits as every dataset's,
 :func:`~torchrec_cloud.data.dataset.check_layout`), every shard's size (:func:`check_shards`,

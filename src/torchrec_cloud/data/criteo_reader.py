@@ -128,7 +128,7 @@ class CriteoTSV:
 
     def _records(self) -> Iterator[np.ndarray]:
         from torchrec_cloud.data.criteo_parse import PreprocessError, parse_block
-        from torchrec_cloud.data.criteo_preprocess import line_blocks
+        from torchrec_cloud.data.criteo_tsv import line_blocks
 
         line = 0
         for block in line_blocks(self.path):

@@ -1,4 +1,7 @@
-"""Your own events to shards: ``torchrec-cloud data preprocess --schema FILE``.
+"""The one preprocessor: ``torchrec-cloud data preprocess``, your own events by a schema
+(``--schema FILE``) or Criteo's TSV, the built-in schema (``--format kaggle|terabyte``; its
+input format in :mod:`~torchrec_cloud.data.criteo_tsv`, converted in one pass by byte ranges,
+:func:`preprocess` running it with the same plan, workers and manifest as a schema's).
 
 Parquet or CSV/TSV files (local or ``s3://``, ``gs://``, ``az://``; a folder means the
 files under it) become the shards and manifest of :mod:`~torchrec_cloud.data.dataset`, through
@@ -36,17 +39,15 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from torchrec_cloud import checksum, storage
-from torchrec_cloud.data import vocab
+from torchrec_cloud.data import conversion, criteo_tsv, vocab
 from torchrec_cloud.data.criteo_parse import PreprocessError
 from torchrec_cloud.data.dataset import (
     FORMAT_NAME,
     FORMAT_VERSION,
-    MANIFEST,
     MAX_MANIFEST_BYTES,
     MAX_SHARDS,
     MAX_VOCAB_BYTES,
     SHARD_DIR,
-    SPLITS,
     VOCAB_DIR,
     Rows,
     check_shard,
@@ -55,6 +56,7 @@ from torchrec_cloud.data.dataset import (
 )
 from torchrec_cloud.data.buckets import Summary, boundaries, label_boundaries
 from torchrec_cloud.data.conversion import PLAN, prepare, run_each  # noqa: F401 (PLAN: where a run's plan is)
+from torchrec_cloud.data.criteo_format import check_manifest
 from torchrec_cloud.data.schema import Schema, Split
 from torchrec_cloud.data.tabular import BadRowError, Caps, Input
 from torchrec_cloud.data.transforms import SPLIT_CODES, Transforms
@@ -426,30 +428,16 @@ def write_manifest(opts: Options, transforms: Transforms, vocab_entries: dict, s
         record.int("skipped_rows", hi=MAX_ROWS)
         doc["skipped_examples"] = [shown(x, 300) for x in record.list("skipped_examples", 5)]
         docs.append(doc)
-    shards, splits = [], {s: [] for s in SPLITS}
-    sources, examples = [], []
+    records, sources, examples = [], [], []
     for source, doc in enumerate(docs):
-        rows = 0
-        for e in doc["shards"]:
-            if e["rows"] == 0:
-                continue
-            k = len(shards)
-            shards.append({key: e[key] for key in ("path", "source", "rows", "bytes", checksum.ALGORITHM, "values", "splits")})
-            lo = 0
-            for split, n in zip(SPLITS, e["splits"]):
-                if n:
-                    splits[split].append([k, lo, lo + n])
-                lo += n
-            rows += e["rows"]
-        sources.append({"path": opts.inputs[source], "rows": rows, "skipped_rows": doc["skipped_rows"]})
+        shards = [{key: e[key] for key in ("path", "source", "rows", "bytes", checksum.ALGORITHM, "values", "splits")}
+                  for e in doc["shards"]]  # fmt: skip
+        records += shards
+        sources.append({"path": opts.inputs[source], "rows": sum(e["rows"] for e in shards),
+                        "skipped_rows": doc["skipped_rows"]})  # fmt: skip
         examples += doc["skipped_examples"]
-    manifest = {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+    sections = {
         "schema": opts.schema.to_dict(),
-        "rows": sum(s["rows"] for s in sources),
-        "skipped_rows": sum(s["skipped_rows"] for s in sources),
-        "skipped_examples": examples[:20],
         "record": record_section(transforms.dtype, list_dtype=transforms.list_dtype.name,
                                  lists=[f.name for f in opts.schema.lists]),  # fmt: skip
         "features": {
@@ -462,15 +450,9 @@ def write_manifest(opts: Options, transforms: Transforms, vocab_entries: dict, s
                        "dense_stats": {k: {"mean": v["mean"], "std": v["std"]} for k, v in stats.items()},
                        "boundaries": {k: v.tolist() for k, v in transforms.boundaries.items()}},  # fmt: skip
         "split": asdict(opts.split) if opts.split else None,
-        "sources": sources,
-        "shards": shards,
-        "splits": splits,
         vocab.SECTION: vocabulary,
     }
-    if manifest["rows"] == 0:
-        raise PreprocessError("no rows were converted: every row was skipped as bad")
-    storage.write_bytes(storage.join(opts.output, MANIFEST), json.dumps(manifest, indent=1).encode())
-    return manifest
+    return conversion.write_manifest(opts.output, sections, records, sources, examples)
 
 
 # ---------------------------------------------------------------------------------------
@@ -483,6 +465,7 @@ class Result:
     seconds: float
     already_complete: bool = False
     converted: int = 0  # inputs converted by this run
+    resumed: int = 0  # shards found committed by an earlier run (Criteo's TSV)
 
 
 def _prepare(opts: Options) -> Optional[dict]:
@@ -512,14 +495,18 @@ def _run(fn: Callable, opts: Options, sources: list[int], extra: tuple, workers:
     run_each(fn, opts, sources, extra, workers, progress, "spawn")
 
 
-def preprocess(opts: Options, workers: int = 1, share: Optional[tuple[int, int]] = None, wait_s: float = 3600.0,
-               progress: Any = None) -> Result:  # fmt: skip
+def preprocess(opts: Options | criteo_tsv.Options, workers: int = 1, share: Optional[tuple[int, int]] = None,
+               wait_s: float = 3600.0, progress: Any = None) -> Result:  # fmt: skip
     """Preprocess ``opts.inputs`` (or share ``share = (index, count)`` of them) into
-    ``opts.output``; the manifest is written by whichever run finds every input converted."""
+    ``opts.output``; the manifest is written by whichever run finds every input converted.
+    ``opts``: a schema's inputs, or Criteo's TSV (:class:`~torchrec_cloud.data.criteo_tsv.Options`,
+    the built-in schema: its shares are shares of its tasks, byte ranges and gzip files)."""
     from torchrec_cloud.progress import Progress
 
     t0 = time.perf_counter()
     progress = progress or Progress("preprocess", "rows", enabled=False)
+    if isinstance(opts, criteo_tsv.Options):
+        return _preprocess_tsv(opts, workers, share, progress, t0)
     opts = dataclasses.replace(opts, split=_checked_split(opts))
     # PREV is checked before anything is written: a refused one leaves no run to resume.
     previous = vocab.load_previous(opts.vocab_from, opts.schema) if opts.vocab_from is not None else None
@@ -559,3 +546,32 @@ def preprocess(opts: Options, workers: int = 1, share: Optional[tuple[int, int]]
     section = vocab.section(opts.schema, {"vocab": vocab_entries}, grown, counts, previous)
     manifest = write_manifest(opts, transforms, vocab_entries, stats, section)
     return Result(manifest, time.perf_counter() - t0, False, len(todo))
+
+
+def _preprocess_tsv(opts: criteo_tsv.Options, workers: int, share: Optional[tuple[int, int]], progress: Any,
+                    t0: float) -> Result:  # fmt: skip
+    """Criteo's TSV: no counting pass (ids modulo the table sizes; each file's smallest
+    integer counted as its rows are converted); its tasks (byte ranges of a plain file, whole
+    gzip files; share I of N takes tasks I, I + N, ...) converted in parallel, each shard
+    committed by its marker, each task by its record."""
+    criteo_tsv.check_names(opts)
+    done = prepare(opts.output, opts.plan(), lambda m: check_manifest(m, opts.output))
+    if done is not None:
+        return Result(done, time.perf_counter() - t0, True, resumed=len(done["shards"]))
+    committed = criteo_tsv.clear_unfinished(opts, remove=share is None)
+    tasks = criteo_tsv.plan_tasks(opts)
+    mine = tasks if share is None else tasks[share[0]::share[1]]
+    workers = min(workers or os.cpu_count() or 1, max(len(mine), 1))
+    results = run_each(criteo_tsv.run_task, opts, mine, (), workers, progress, criteo_tsv.start_method())
+    progress.close()
+    markers = [m for ms in results for m in ms]
+    resumed = sum(1 for m in markers if m["shard"] + ".done" in committed)
+    if share is not None:  # every share's tasks, once all are committed
+        every = criteo_tsv.committed_markers(opts, tasks)
+        if every is None:
+            return Result(None, time.perf_counter() - t0, False, len(mine), resumed)
+        markers = every
+    records, sources, examples = criteo_tsv.shard_records(opts, markers)
+    manifest = conversion.write_manifest(opts.output, criteo_tsv.manifest_sections(opts), records, sources, examples,
+                                         "skipped_lines")  # fmt: skip
+    return Result(manifest, time.perf_counter() - t0, False, len(mine), resumed)

@@ -1,27 +1,24 @@
-"""Criteo's TSV, the built-in schema's input format, to shards: ``torchrec-cloud data
-preprocess --format kaggle|terabyte`` (``--format`` names the built-in schema ``criteo`` and
-how its splits are cut).
-
-Turns the Criteo Kaggle ``train.txt`` or the Criteo 1TB day files (``day_0`` .. ``day_23``,
-plain or ``.gz``) into fixed-width binary shards plus a ``manifest.json`` of the one dataset
-format (``torchrec-cloud-shards``, its ``schema`` the built-in ``criteo``) that the trainer
-reads with ``--dataset_path`` (see :mod:`torchrec_cloud.data.reader` and docs/data.md)::
+"""Criteo's TSV, an input format of the one preprocessor (:mod:`~torchrec_cloud.data.preprocess`):
+``torchrec-cloud data preprocess --format kaggle|terabyte`` (``--format`` names the built-in
+schema ``criteo`` and how its splits are cut)::
 
     torchrec-cloud data preprocess --format kaggle --input train.txt --output /data/kaggle \\
         --num_embeddings 10000000
     torchrec-cloud data preprocess --format terabyte --input s3://raw/day_{0..23}.gz \\
         --output s3://bucket/criteo-1tb --num_embeddings_per_feature 40000000,39060,...
-    torchrec-cloud train --preset criteo-1tb --dataset_path s3://bucket/criteo-1tb
 
-Lines are parsed by :mod:`~torchrec_cloud.data.criteo_parse` into the records of
-:mod:`~torchrec_cloud.data.criteo_format`.
+What is Criteo's own here: how the lines are read (plain files cut into byte ranges,
+``--chunk_mb``, so that one big file like Kaggle's 11 GB ``train.txt`` is converted by every
+core; gzip files start to end), how a block of lines becomes records
+(:mod:`~torchrec_cloud.data.criteo_parse`, vectorised, into the record of
+:mod:`~torchrec_cloud.data.criteo_format`), each task's shards committed by their ``.done``
+markers (a rerun converts only what is missing), and the splits' rule (Kaggle's last 1/7 by
+row count, the 1TB last day in half) as rows per split of each shard. The run, its plan, its
+worker processes and the manifest are the one preprocessor's (:func:`~torchrec_cloud.data.preprocess.preprocess`).
 
-The conversion streams: plain files are cut into byte ranges (``--chunk_mb``) and gzip
-files are read start to end, so memory stays bounded whatever the input size; work is
-spread over processes (``--workers``, default all cores); progress is a bar in a terminal and
-a plain line now and then in a log. Each finished shard gets a
-``.done`` marker, so running the same command again after an interruption converts only
-what is missing; ``manifest.json`` is written last, when every shard is there.
+No counting pass: ids are taken modulo the table sizes, and the one statistic TorchRec's
+dense transform needs, each input file's smallest integer, is counted as the rows are
+converted (a marker's ``dense_min``), so the conversion stays one pass.
 
 A bad line (wrong number of fields, a non-integer dense value, a non-hex id, a label
 other than 0/1) stops the run with ``FILE:LINE: what is wrong`` and exit code 1, or with
@@ -33,7 +30,6 @@ from __future__ import annotations
 import gzip
 import json
 import multiprocessing as mp
-import os
 import re
 import threading
 import time
@@ -44,16 +40,8 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 
 from torchrec_cloud import checksum, storage
-from torchrec_cloud.data.criteo_format import (
-    DENSE_NAMES,
-    MANIFEST,
-    SHARD_DIR,
-    SPARSE_NAMES,
-    check_manifest,
-    record_dtype,
-    sparse_dtype_for,
-)
-from torchrec_cloud.data.conversion import prepare, read_record, run_each
+from torchrec_cloud.data.conversion import read_record
+from torchrec_cloud.data.criteo_format import DENSE_NAMES, SHARD_DIR, SPARSE_NAMES, record_dtype, sparse_dtype_for
 from torchrec_cloud.data.criteo_parse import BadLineError, PreprocessError, parse_block
 from torchrec_cloud.data.dataset import FORMAT_NAME, FORMAT_VERSION, record_section
 from torchrec_cloud.data.schema import criteo_schema
@@ -329,9 +317,49 @@ def _load_marker(opts: Options, source: int, shard: int) -> Optional[dict]:
     return marker
 
 
+TASKS_DIR = "_sources"
+
+
+def _task_url(opts: Options, task: Task) -> str:
+    return storage.join(opts.output, TASKS_DIR, f"{_source_stem(task.path)}-{task.shard:05d}.json")
+
+
 def run_task(opts: Options, task: Task, report: Callable[[int], Any] = lambda rows: None) -> list[dict]:
-    """Convert one task's lines to shards (skipping shards already committed); ``report``
-    gets the rows converted as they are."""
+    """Convert one task's lines to shards (skipping shards already committed), then commit
+    the task by a record of its shard count (so that whichever share finds every task's
+    record writes the manifest, :func:`committed_markers`); ``report`` gets the rows
+    converted as they are."""
+    markers = _convert_task(opts, task, report)
+    storage.write_bytes(_task_url(opts, task), json.dumps({"shards": len(markers)}).encode())
+    return markers
+
+
+def committed_markers(opts: Options, tasks: list[Task]) -> Optional[list[dict]]:
+    """Every task's shard markers, read back (each checked as its shard's), when every task
+    is committed: its record there and each of its shards' markers too (a marker deleted
+    since makes its task undone); None while one is not."""
+    try:
+        names = set(storage.listdir(storage.join(opts.output, SHARD_DIR)))
+    except storage.StorageNotFoundError:
+        return None
+    markers = []
+    for task in tasks:
+        url = _task_url(opts, task)
+        if not storage.exists(url):
+            return None
+        try:
+            count = Fields(read_record(url), url).int("shards", lo=1, hi=MAX_ROWS)
+        except UntrustedInputError as e:
+            raise PreprocessError(f"{e}; delete it, or use another --output") from None
+        first = task.shard if task.kind == "range" else 0
+        for shard in range(first, first + count):
+            if _shard_name(opts, task.source, shard) + ".done" not in names:
+                return None
+            markers.append(_load_marker(opts, task.source, shard))
+    return markers
+
+
+def _convert_task(opts: Options, task: Task, report: Callable[[int], Any]) -> list[dict]:
     if task.kind == "range":
         marker = _load_marker(opts, task.source, task.shard)
         if marker is not None:
@@ -407,154 +435,110 @@ def plan_tasks(opts: Options) -> list[Task]:
 
 
 # ---------------------------------------------------------------------------------------
-# The whole run.
+# What the one preprocessor's manifest needs from a Criteo run: its shards' records with
+# their rows per split, its sources, its own sections.
 
 
-@dataclass
-class Result:
-    manifest: dict
-    seconds: float
-    resumed_shards: int
-    already_complete: bool = False
-
-
-def _splits(dataset: str, opts: Options, shards: list[dict]) -> dict[str, list[list[int]]]:
-    """Row segments ``[shard, start, end)`` of each split, in the references' layout."""
-    rows_by_source = [0] * len(opts.inputs)
-    for s in shards:
-        rows_by_source[s["source"]] += s["rows"]
-
-    def take(lo: int, hi: int, sources: set[int]) -> list[list[int]]:
-        """Rows [lo, hi) of the concatenation of ``sources``' shards."""
-        out, pos = [], 0
-        for k, s in enumerate(shards):
-            if s["source"] not in sources:
-                continue
-            a, b = max(lo, pos), min(hi, pos + s["rows"])
-            if a < b:
-                out.append([k, a - pos, b - pos])
-            pos += s["rows"]
-        return out
-
-    everything = set(range(len(opts.inputs)))
+def split_counts(dataset: str, inputs: list[str], markers: list[dict]) -> list[list[int]]:
+    """Rows of train, val and test in each shard (``markers`` in row order, a shard's rows
+    in that order), by the references' rule: Kaggle's train.txt is 7 days of logs, the last
+    1/7 held out and split in half (validation, then test); the 1TB last day (the highest
+    day number, else the last input) split in half, the other days training."""
+    rows = [m["rows"] for m in markers]
     if dataset == "kaggle":
-        total = sum(rows_by_source)
+        total = sum(rows)
         held = total // KAGGLE_HELD_OUT_FRACTION_DENOMINATOR
-        train_end = total - held
-        val_end = train_end + (held + 1) // 2
-        return {
-            "train": take(0, train_end, everything),
-            "val": take(train_end, val_end, everything),
-            "test": take(val_end, total, everything),
-        }
-    # terabyte: the last day (highest day number, else the last input) is split in half.
-    days = [re.search(r"day_(\d+)", p.rsplit("/", 1)[-1]) for p in opts.inputs]
-    if all(days):
-        last = max(range(len(days)), key=lambda i: int(days[i].group(1)))  # type: ignore[union-attr]
+        bounds = {m["source"]: (total - held, total - held + (held + 1) // 2, total) for m in markers}
+        everything = True
     else:
-        last = len(opts.inputs) - 1
-    n = rows_by_source[last]
-    half = (n + 1) // 2
-    return {
-        "train": take(0, sum(rows_by_source), everything - {last}),
-        "val": take(0, half, {last}),
-        "test": take(half, n, {last}),
-    }
+        days = [re.search(r"day_(\d+)", p.rsplit("/", 1)[-1]) for p in inputs]
+        last = max(range(len(days)), key=lambda i: int(days[i].group(1))) if all(days) else len(inputs) - 1  # type: ignore[union-attr]
+        n = sum(m["rows"] for m in markers if m["source"] == last)
+        bounds = {last: (0, (n + 1) // 2, n)}
+        everything = False
+    counts, pos = [], {}
+    for m in markers:
+        # kaggle: positions over every input together; terabyte: within the last day.
+        key = None if everything else m["source"]
+        lo = pos.get(key, 0)
+        hi = lo + m["rows"]
+        pos[key] = hi
+        if m["source"] not in bounds:
+            counts.append([m["rows"], 0, 0])
+            continue
+        cuts = (0, *bounds[m["source"]])
+        counts.append([max(0, min(hi, cuts[i + 1]) - max(lo, cuts[i])) for i in range(3)])
+    return counts
 
 
-def _manifest(opts: Options, markers: list[dict]) -> dict:
-    shards = sorted((m for m in markers if m["rows"] > 0), key=lambda m: (m["source"], m["index"]))
-    by_source: list[list[dict]] = [[] for _ in opts.inputs]
-    for m in sorted(markers, key=lambda m: (m["source"], m["index"])):
-        by_source[m["source"]].append(m)
-    sources, skipped_examples = [], []
-    for i, ms in enumerate(by_source):
+def shard_records(opts: Options, markers: list[dict]) -> tuple[list[dict], list[dict], list[str]]:
+    """Every shard's record as the one manifest lists it (path, source, rows, bytes, checksum,
+    rows per split), the sources (with their lines, skipped lines and smallest integer: TorchRec's
+    dense transform subtracts it when read) and the first skipped lines, ``FILE:LINE: what``."""
+    markers = sorted(markers, key=lambda m: (m["source"], m["index"]))
+    entries = []
+    for m, splits in zip(markers, split_counts(opts.dataset, opts.inputs, markers)):
+        path = f"{SHARD_DIR}/{m['shard']}"
+        size, digest = m.get("bytes"), m.get(checksum.ALGORITHM)
+        if size is None or digest is None:  # a marker of an older version: the shard is read back
+            size, digest = checksum.file_digest(storage.join(opts.output, *path.split("/")))
+        entries.append({"path": path, "source": m["source"], "rows": m["rows"], "bytes": size,
+                        checksum.ALGORITHM: digest, "splits": splits})  # fmt: skip
+    sources, examples = [], []
+    for i, path in enumerate(opts.inputs):
+        ms = [m for m in markers if m["source"] == i]
         rows = sum(m["rows"] for m in ms)
         if rows == 0 and opts.on_bad_line == "error":
-            raise PreprocessError(f"{opts.inputs[i]}: no rows (the file holds no lines)")
+            raise PreprocessError(f"{path}: no rows (the file holds no lines)")
         # Line numbers of a range shard are known once the earlier ranges are counted.
         line = 0
         for m in ms:
             first = m["first_line"] if m["first_line"] is not None else line
-            for local, reason in m["skipped_examples"]:
-                skipped_examples.append(f"{opts.inputs[i]}:{first + local + 1}: {reason}")
+            examples += [f"{path}:{first + local + 1}: {reason}" for local, reason in m["skipped_examples"]]
             line = first + m["lines"]
         mins = [m["dense_min"] for m in ms if m["dense_min"] is not None]
-        sources.append(
-            {
-                "path": opts.inputs[i],
-                "rows": rows,
-                "lines": line,
-                "skipped_lines": sum(m["skipped"] for m in ms),
-                "dense_min": min(mins) if mins else 0,
-            }
-        )
-    skipped = sum(s["skipped_lines"] for s in sources)
+        sources.append({"path": path, "rows": rows, "lines": line, "skipped_rows": sum(m["skipped"] for m in ms),
+                        "skipped_lines": sum(m["skipped"] for m in ms), "dense_min": min(mins) if mins else 0})  # fmt: skip
+    return entries, sources, examples
+
+
+def manifest_sections(opts: Options) -> dict[str, Any]:
+    """The manifest's sections that say Criteo: the built-in schema, its record, its features,
+    and its transforms: ids modulo the table sizes; the 13 integers stored as in the TSV
+    (missing = 0), ``--dense_transform`` applying when read (TorchRec's with the smallest value
+    of the row's input file, ``sources[].dense_min``)."""
     return {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
         "schema": criteo_schema(opts.dataset, opts.num_embeddings_per_feature),
-        "rows": sum(s["rows"] for s in sources),
-        "skipped_rows": skipped,
-        "skipped_lines": skipped,
-        "skipped_examples": skipped_examples[:20],
         "record": record_section(record_dtype(opts.sparse_dtype)),
         "features": {"label": "label", "dense": DENSE_NAMES, "sparse": SPARSE_NAMES},
-        # The 13 integers as in the TSV (missing = 0): --dense_transform applies when read,
-        # TorchRec's with the smallest value of the row's input file (sources[].dense_min).
         "transforms": {"table_sizes": opts.num_embeddings_per_feature, "dense": "raw"},
-        "sources": sources,
-        "shards": [_shard_entry(opts, m) for m in shards],
-        "splits": _splits(opts.dataset, opts, shards),
         "created_unix": int(time.time()),
     }
 
 
-def _shard_entry(opts: Options, marker: dict) -> dict:
-    """The manifest's entry of a shard, with its size and checksum (a shard committed by an
-    older version, without them in its marker, is read back to hash it)."""
-    path = f"{SHARD_DIR}/{marker['shard']}"
-    size, digest = marker.get("bytes"), marker.get(checksum.ALGORITHM)
-    if size is None or digest is None:
-        size, digest = checksum.file_digest(storage.join(opts.output, *path.split("/")))
-    return {"path": path, "source": marker["source"], "rows": marker["rows"], "bytes": size,
-            checksum.ALGORITHM: digest}  # fmt: skip
-
-
-def preprocess(opts: Options, workers: int = 0, progress: bool = True) -> Result:
-    """Convert ``opts.inputs`` into shards and a manifest under ``opts.output``."""
-    t0 = time.perf_counter()
+def check_names(opts: Options) -> None:
+    """Two inputs of the same file name would write shards of the same names."""
     stems = [_source_stem(p) for p in opts.inputs]
-    if len(set(stems)) != len(stems):  # their shards' names would collide
+    if len(set(stems)) != len(stems):
         raise PreprocessError(f"two inputs have the same file name: {stems}; rename one")
-    done = prepare(opts.output, opts.plan(), lambda m: check_manifest(m, opts.output))
-    if done is not None:
-        return Result(done, time.perf_counter() - t0, len(done["shards"]), True)
+
+
+def clear_unfinished(opts: Options, remove: bool = True) -> set[str]:
+    """The markers found committed; with ``remove``, what a killed run left half-written
+    (``.tmp-`` files) is deleted (not by a share: another share may be writing them now)."""
     storage.makedirs(storage.join(opts.output, SHARD_DIR))
-    tasks = plan_tasks(opts)
-    workers = min(workers or os.cpu_count() or 1, len(tasks))
     try:
         names = storage.listdir(storage.join(opts.output, SHARD_DIR))
     except storage.StorageNotFoundError:
         names = []
-    done_before = {n for n in names if n.endswith(".done")}
     for n in names:
-        if n.startswith(".tmp-"):  # left by a run killed while writing a shard
+        if remove and n.startswith(".tmp-"):
             storage.remove(storage.join(opts.output, SHARD_DIR, n))
+    return {n for n in names if n.endswith(".done")}
 
-    from torchrec_cloud.progress import Progress
 
-    bar = Progress("preprocess", "rows", enabled=progress)  # a bar in a terminal, plain lines in a log
-    # fork where it is safe (workers need nothing the parent has not imported): only from a
-    # process with one thread, since a child forked while another thread (a cloud storage
-    # client's event loop, a test's emulator reader) holds a lock waits on that lock forever.
-    forkable = "fork" in mp.get_all_start_methods() and threading.active_count() == 1
-    results = run_each(run_task, opts, tasks, (), workers, bar, "fork" if forkable else "spawn")
-    markers = [m for ms in results for m in ms]
-    bar.close()
-    manifest = _manifest(opts, markers)
-    if manifest["rows"] == 0:
-        raise PreprocessError("no rows were converted: every line was skipped as bad")
-    storage.write_bytes(storage.join(opts.output, MANIFEST), json.dumps(manifest, indent=1).encode())
-    resumed = sum(1 for m in markers if m["shard"] + ".done" in done_before)
-    return Result(manifest, time.perf_counter() - t0, resumed)
+def start_method() -> str:
+    """fork where it is safe (workers need nothing the parent has not imported): only from a
+    process with one thread, since a child forked while another thread (a cloud storage
+    client's event loop, a test's emulator reader) holds a lock waits on that lock forever."""
+    return "fork" if "fork" in mp.get_all_start_methods() and threading.active_count() == 1 else "spawn"
