@@ -846,6 +846,7 @@ def test_a_preprocessing_job_is_an_indexed_job_of_cpu_pods_like_training(cloud):
         (dict(nodes=3, train_args=[*PREPROCESS, "--shares", "2"]), "nodes"),
         (dict(train_args=[*PREPROCESS, "--share_index", "0"]), "--"),
         (dict(train_args=PREPROCESS[2:]), "--"),  # no --schema
+        (dict(train_args=[*PREPROCESS, "--format", "kaggle"]), "--"),  # --schema and Criteo's --format
         (dict(train_args=[*PREPROCESS, "--no_such_flag"]), "--"),
         (dict(checkpoint_url="s3://b/ck"), "checkpoint_url"),
         (dict(job="index"), "job"),
@@ -856,6 +857,25 @@ def test_bad_preprocessing_job_options_name_the_flag(kw, flag):
     with pytest.raises(ConfigError) as e:
         render_bundle(DeploySpec(**kw))
     assert e.value.flag == flag, str(e.value)
+
+
+def test_criteo_tsv_is_preprocessed_by_an_indexed_job_too():
+    """Criteo's TSV (--format) is shared over pods as a schema's inputs are: each pod runs
+    `data preprocess --format ...` with its share from JOB_COMPLETION_INDEX."""
+    from torchrec_cloud.data.cli import add_parser
+
+    criteo = ["--format", "kaggle", "--input", "s3://raw/train.txt", "--output", "s3://b/kaggle", "--num_embeddings", "1000"]
+    docs = render(cloud="aws", job="preprocess", nodes=4, train_args=criteo)
+    for doc in docs:
+        validate(doc)
+    assert admission.check(docs) == []
+    job = by_kind(docs, "Job")
+    assert job["spec"]["completions"] == 4
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    ns = parser.parse_args(["data", "preprocess", *c["args"]])
+    assert (ns.format, ns.schema, ns.input, ns.output, ns.shares) == ("kaggle", None, ["s3://raw/train.txt"], "s3://b/kaggle", 4)
 
 
 def test_render_job_preprocess_from_the_command_line(tmp_path, capsys):

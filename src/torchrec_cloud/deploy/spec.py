@@ -396,9 +396,10 @@ class DeploySpec:
                 raise ConfigError(flag, "applies to --job train; give the inputs and output after '--' "
                                   "(-- --schema FILE --input URL... --output URL)")  # fmt: skip
         ns = _preprocess_parser().parse_args(list(self.train_args))
-        if ns.schema is None:
-            raise PreprocessFlagsError("--job preprocess needs --schema FILE (a URL or a path on the mounted "
-                                       "storage, as the pods read it); Criteo's --format is not split over pods")  # fmt: skip
+        if (ns.schema is None) == (ns.format is None):
+            raise PreprocessFlagsError("--job preprocess needs --schema FILE (your data: a URL or a path on the "
+                                       "mounted storage, as the pods read it) or --format kaggle|terabyte (Criteo), "
+                                       "one of them")  # fmt: skip
         if ns.output is None:
             raise PreprocessFlagsError("--output is required: the folder or URL every pod writes to")
         if ns.share_index is not None:
