@@ -241,10 +241,11 @@ def build_app(state: State) -> Any:
 class Inference:
     """ASGI: ``POST /v1/models/NAME:predict`` and ``POST /v2/models/NAME/infer``, answered here
     on raw ASGI messages and recorded by :class:`Access`, everything else passed to ``app``
-    (Starlette, in :class:`AccessLog`). A one-row request costs little more than its JSON: no framework objects, one ``json.loads``, the values
-    checked in Python and handed to the batcher as they are (the model converts a batch's
-    requests together). A request that cannot be queued (a full queue, an oversized body, a
-    model not loaded) is answered before its body is read, with a body encoded once."""
+    (Starlette, in :class:`AccessLog`). A one-row request costs little more than its JSON: no
+    framework objects, one ``json.loads``, the values checked in Python and handed to the
+    batcher as they are (the model converts a batch's requests together). A request that cannot
+    be queued (a full queue, an oversized body, a model not loaded) is answered before its body
+    is read, with a body encoded once."""
 
     PATHS = re.compile(r"/v1/models/([^/]+):predict|/v2/models/([^/]+)/infer")
 
