@@ -182,9 +182,12 @@ def main() -> int:
     script.write_text(WRK_SCRIPT)
     limit = offline_rows_per_s(model, tsv, folder / "scores.csv")
     print(f"offline predict --input: {limit:,.0f} rows/s ({args.rows} rows x {OFFLINE_REPEATS}, the faster of 2 runs)", flush=True)
-    # serve parses HTTP with httptools when it is installed, h11 otherwise: say which ran.
+    # serve parses HTTP with httptools when it is installed, h11 otherwise, and runs on uvloop
+    # when it is installed, asyncio's loop otherwise: say which ran (the server's ready line says so too).
     http = "httptools" if importlib.util.find_spec("httptools") else "h11"
-    print(f"serve's HTTP parser: {http} (httptools when installed)", flush=True)
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    print(f"serve's HTTP parser: {http} (httptools when installed); event loop: {loop} (uvloop when installed)",
+          flush=True)  # fmt: skip
     print(f"serve --workers {args.workers}: {args.workers} worker process(es) on the port", flush=True)
     table = []
     for runtime in args.runtimes.split(","):
@@ -231,7 +234,7 @@ def main() -> int:
               f"{r['of_offline']:.0%} | {r['p50_ms']:.1f} | {r['p95_ms']:.1f} | {r['p99_ms']:.1f} | {r['non_2xx']} | "
               f"{r['server_cpu_us_per_request']:,.0f} |")
     print(f"\noffline `predict --input`, same model and rows: {limit:,.0f} rows/s; HTTP parser {http}; "
-          f"serve --workers {args.workers}. {shed_line}")
+          f"event loop {loop}; serve --workers {args.workers}. {shed_line}")
     return 0
 
 

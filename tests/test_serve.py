@@ -15,6 +15,7 @@ reports (its /metrics, its log) with a generous limit.
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import os
 import re
@@ -809,3 +810,37 @@ def test_a_worker_that_cannot_load_its_model_ends_the_server(events, tmp_path):
     assert proc.returncode == 1, explain(proc)
     assert "before its model was loaded" in proc.stderr and "scorer.pt" in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "starting another" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_without_uvloop_the_server_runs_on_asyncio_and_answers_the_same(events, served, tmp_path):
+    """uvloop is optional (the serve extra installs it): where it does not import, the server
+    runs on asyncio's own loop, says which in its ready line, and answers as the served one
+    does; concurrent requests each get one whole access-log line (they are written a loop
+    turn's lines at a time)."""
+    blocked = tmp_path / "no_uvloop" / "uvloop"
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text('raise ImportError("uvloop is not installed here")\n')
+    path = f"{blocked.parent}{os.pathsep}{env_for_subprocess()['PYTHONPATH']}"
+    rows = v1_rows(pq.read_table(events / "events" / "day_2.parquet").slice(0, 16))
+    server = Server(events / "model", tmp_path, env={"PYTHONPATH": path})
+    answers: dict[str, list] = {"served": [None] * 16, "asyncio": [None] * 16}
+
+    def client(i: int) -> None:
+        for which, url in (("asyncio", server.url), ("served", served.url)):
+            status, _, body = request(url + "/v1/models/m:predict", {"instances": [rows[i]]})
+            answers[which][i] = body["predictions"][0] if status == 200 else body
+
+    try:
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        assert server.stop() == 0, server.text()[-3000:]
+    assert answers["asyncio"] == pytest.approx(answers["served"], abs=1e-6), answers
+    log = server.text()
+    assert "event loop asyncio" in log, log[-2000:]
+    assert ("event loop uvloop" in served.text()) == (importlib.util.find_spec("uvloop") is not None)
+    line = r"access 127\.0\.0\.1:\d+ POST /v1/models/m:predict 200 rows=1 version=model \d+\.\d\dms"
+    assert len(re.findall(rf"^{line}$", log, re.M)) == 16, log[-3000:]

@@ -16,7 +16,7 @@ rows, waiting at most ``--max_delay_ms``); a full queue (``--max_queue``) answer
 answers it and exits 0 (within ``--grace_s``). Metrics at ``/metrics`` (Prometheus), one
 access-log line per request on stderr. This module is the protocol; the model knows no HTTP.
 
-Starlette on uvicorn (httptools when installed, else h11): docs/serving.md says why not
+Starlette on uvicorn (httptools and uvloop when installed, else h11 and asyncio): docs/serving.md says why not
 KServe's own server. ``--workers N``: N such servers on one port under a supervisor
 (:mod:`~torchrec_cloud.serving.workers`), the tables shared (mapped from ``tables.pt``).
 The inference endpoints are answered by :class:`Inference` on raw ASGI messages (a request
@@ -31,9 +31,11 @@ import asyncio
 import gc
 import json
 import math
+import os
 import re
 import signal
 import socket
+import sys
 import threading
 import time
 from typing import Any, Optional
@@ -53,8 +55,6 @@ class Metrics:
     how (``livesum``: the live workers' sum; ``livemax``: the model version any live worker serves)."""
 
     def __init__(self) -> None:
-        import os
-
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
@@ -102,6 +102,7 @@ class State:
         self.draining = False
         self.draining_since = 0.0  # set by the signal handler itself, before anything else
         self.failed: Optional[str] = None
+        self.access = Access(metrics, None if worker is None else worker.index)
         self.batcher = Batcher(lambda: self.model, ns.max_batch_size, ns.max_delay_ms / 1000, ns.max_queue,
                                on_batch=metrics.batch_rows.observe, on_depth=metrics.queue_depth.set)  # fmt: skip
 
@@ -234,16 +235,17 @@ def build_app(state: State) -> Any:
         Route("/v1/models/{name}", guarded(v1_model, "metadata"), methods=["GET"]),
         Route("/metrics", guarded(prometheus, "metrics"), methods=["GET"]),
     ]
-    return AccessLog(Inference(state, Starlette(routes=routes)), metrics, None if state.worker is None else state.worker.index)
+    return Inference(state, AccessLog(Starlette(routes=routes), state.access))
 
 
 class Inference:
     """ASGI: ``POST /v1/models/NAME:predict`` and ``POST /v2/models/NAME/infer``, answered here
-    on raw ASGI messages, everything else passed to ``app`` (Starlette). A one-row request
-    costs little more than its JSON: no framework objects, one ``json.loads``, the values
-    checked in Python and handed to the batcher as they are (the model converts a batch's
-    requests together). A request that cannot be queued (a full queue, an oversized body, a
-    model not loaded) is answered before its body is read, with a body encoded once."""
+    on raw ASGI messages and recorded by :class:`Access`, everything else passed to ``app``
+    (Starlette, in :class:`AccessLog`). A one-row request costs little more than its JSON: no
+    framework objects, one ``json.loads``, the values checked in Python and handed to the
+    batcher as they are (the model converts a batch's requests together). A request that cannot
+    be queued (a full queue, an oversized body, a model not loaded) is answered before its body
+    is read, with a body encoded once."""
 
     PATHS = re.compile(r"/v1/models/([^/]+):predict|/v2/models/([^/]+)/infer")
 
@@ -252,13 +254,14 @@ class Inference:
         ns = state.ns
         self.queue_full = _error_body(f"the queue is full ({ns.max_queue} requests, --max_queue): retry")
         self.not_loaded = _error_body(f"model {state.name} is not loaded yet")
-        self.metrics = state.metrics
+        self.metrics, self.access = state.metrics, state.access
         self.answers = Answers()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         match = self.PATHS.fullmatch(scope["path"]) if scope["type"] == "http" else None
         if match is None:
             return await self.app(scope, receive, send)
+        start = time.perf_counter()
         protocol, name = ("v1", match.group(1)) if match.group(1) is not None else ("v2", match.group(2))
         info = scope.setdefault("torchrec_serve", {})
         info["endpoint"] = protocol
@@ -278,8 +281,11 @@ class Inference:
         if status == 405:
             headers.append((b"allow", b"POST"))
         headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        try:
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+        finally:
+            self.access.record(scope, info, status, time.perf_counter() - start)
 
     async def answer(self, scope: Any, receive: Any, info: dict, protocol: str, name: str) -> tuple[int, bytes, list]:
         state, ns = self.state, self.state.ns
@@ -381,13 +387,77 @@ def _error_body(message: str) -> bytes:
     return _json({"error": " ".join(message.split())})
 
 
-class AccessLog:
-    """ASGI wrapper: one line per request on stderr (client, method, path, status, rows, model
-    version, milliseconds, and with ``--workers N`` the worker) and the request counters and latency histogram."""
+class Access:
+    """One access-log line per request on stderr (client, method, path, status, rows, model
+    version, milliseconds, and with ``--workers N`` the worker) and the request counters and
+    latency histogram. The lines of one turn of the event loop go out in one write at its next
+    turn (a write a request was most of a one-row request's cost in system calls), in pieces
+    of whole lines no longer than a pipe writes at once, so the workers' lines never mix; the
+    metrics' labelled children are looked up once, not at every request."""
 
-    def __init__(self, app: Any, metrics: Metrics, worker: Optional[int] = None) -> None:
-        self.app, self.metrics = app, metrics
+    def __init__(self, metrics: Metrics, worker: Optional[int] = None) -> None:
+        self.metrics = metrics
         self.worker = "" if worker is None else f" worker={worker}"  # --workers N: which one answered
+        self._counters: dict[tuple[str, str], Any] = {}
+        self._lines: list[str] = []
+
+    def record(self, scope: Any, info: dict, status: int, seconds: float) -> None:
+        endpoint, code = info.get("endpoint", "other"), str(status)
+        counters = self._counters.get((endpoint, code))
+        if counters is None:
+            m = self.metrics
+            counters = self._counters[endpoint, code] = (
+                m.requests.labels(endpoint, code), m.errors.labels(code) if status >= 400 else None,
+                m.latency.labels(endpoint) if endpoint in ("v1", "v2") else None)  # fmt: skip
+        requests, errors, latency = counters
+        requests.inc()
+        if errors is not None:
+            errors.inc()
+        if latency is not None:
+            latency.observe(seconds)
+        client = scope.get("client") or ("-", 0)
+        extra = f" rows={info['rows']}" if "rows" in info else ""
+        extra += f" version={info['version']}" if "version" in info else ""
+        path = scope.get("path", "")[:200].encode("unicode_escape").decode()
+        if not self._lines:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self._lines.append(f"access {client[0]}:{client[1]} {scope.get('method')} {path} {code}{extra} "
+                           f"{seconds * 1000:.2f}ms{self.worker}\n")  # fmt: skip
+
+    def flush(self) -> None:
+        """Write the lines held (also called once the server has stopped)."""
+        lines, self._lines = self._lines, []
+        if lines:
+            write_lines(lines)
+
+
+_PIPE_BUF = 4096  # POSIX: a write of at most this many bytes to a pipe is never interleaved with another's
+
+
+def write_lines(lines: list[str]) -> None:
+    """Lines (each ending in a newline) on stderr, in as few writes as keep each whole."""
+    sys.stderr.flush()  # what write_line wrote goes first
+    chunk, size = [], 0
+    for line in lines:
+        data = line.encode("utf-8", "backslashreplace")
+        if chunk and size + len(data) > _PIPE_BUF:
+            _write_all(b"".join(chunk))
+            chunk, size = [], 0
+        chunk.append(data)
+        size += len(data)
+    _write_all(b"".join(chunk))
+
+
+def _write_all(data: bytes) -> None:
+    while data:
+        data = data[os.write(2, data):]
+
+
+class AccessLog:
+    """ASGI wrapper of the API Starlette answers: each request recorded by :class:`Access`."""
+
+    def __init__(self, app: Any, access: Access) -> None:
+        self.app, self.access = app, access
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -404,19 +474,18 @@ class AccessLog:
         try:
             await self.app(scope, receive, sending)
         finally:
-            seconds = time.perf_counter() - start
-            endpoint, code = info.get("endpoint", "other"), str(status[0])
-            self.metrics.requests.labels(endpoint, code).inc()
-            if status[0] >= 400:
-                self.metrics.errors.labels(code).inc()
-            if endpoint in ("v1", "v2"):
-                self.metrics.latency.labels(endpoint).observe(seconds)
-            client = scope.get("client") or ("-", 0)
-            extra = f" rows={info['rows']}" if "rows" in info else ""
-            extra += f" version={info['version']}" if "version" in info else ""
-            path = scope.get("path", "")[:200].encode("unicode_escape").decode()
-            write_line(f"access {client[0]}:{client[1]} {scope.get('method')} {path} {code}{extra} "
-                       f"{seconds * 1000:.2f}ms{self.worker}")  # fmt: skip
+            self.access.record(scope, info, status[0], time.perf_counter() - start)
+
+
+def event_loop() -> str:
+    """uvicorn's event loop: uvloop (libuv, compiled) when it imports (the ``serve`` extra
+    installs it), else asyncio's own (pure Python around the selector: more of a small
+    request's CPU time, bench/RESULTS.md)."""
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
 
 
 def http_parser() -> str:
@@ -466,7 +535,7 @@ def serve(ns: argparse.Namespace) -> int:
 
     config = uvicorn.Config(build_app(state), host=ns.host, port=ns.port, access_log=False, log_level="warning",
                             lifespan="off", timeout_graceful_shutdown=ns.grace_s, server_header=False,
-                            proxy_headers=False, http=http_parser())  # fmt: skip
+                            proxy_headers=False, http=http_parser(), loop=event_loop())  # fmt: skip
     server = Server(config)
 
     def load() -> None:
@@ -482,7 +551,7 @@ def serve(ns: argparse.Namespace) -> int:
         tables = f"tables mapped from {model.scorer.mapped}" if model.scorer.mapped else "tables in this process"
         log(f"ready: {state.name} version {model.version} on http://{ns.host}:{ns.port} "
             f"(/v1/models/{state.name}:predict, /v2/models/{state.name}/infer, /metrics; {tables}; "
-            f"HTTP parser {config.http})")  # fmt: skip
+            f"HTTP parser {config.http}, event loop {config.loop})")  # fmt: skip
         if worker is not None:
             worker.report_ready()
         if ns.follow:
@@ -505,6 +574,7 @@ def serve(ns: argparse.Namespace) -> int:
     finally:
         state.batcher.stop()
         batcher.join(timeout=ns.grace_s)
+        state.access.flush()
     if state.failed:
         raise ServingError(state.failed)
     log("stopped")
