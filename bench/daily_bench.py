@@ -52,6 +52,12 @@ The last line with --json is one JSON object: per approach and day, the AUC and 
 (the mean over replicates), and ``replicates``: each replicate's own. With ``--work``, each
 replicate's figures are kept in ``DIR/seed_S/result.json`` and a later run with the same
 settings takes them instead of training again (so the replicates can run one sitting at a time).
+Replicates run elsewhere (other ``--work`` folders, at the same time or on other machines) are
+taken with ``--from DIR`` (repeatable), each approach's figures from a kept result of the same
+settings ((b) and (c) do not depend on (a)'s ``--warm_*`` settings, so a variant's
+``result_NAME.json`` pairs with its folder's ``result.json``); ``--seeds`` also takes a list::
+
+    python bench/daily_bench.py --seeds 0-9,11-12 --work /tmp/all --from /tmp/daily_a --from /tmp/daily_b --json
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -302,19 +309,63 @@ def same_settings(a: dict, b: dict) -> bool:
     return plain(a) == plain(b)
 
 
+WARM_SETTINGS = ("warm_epochs", "warm_learning_rate")
+
+
+def kept_elsewhere(folder: Path, seed: int, approaches: list[str], settings: dict) -> dict | None:
+    """Seed ``seed``'s figures from the results kept in ``folder`` by runs of the same
+    settings ((a) from a result whose ``--warm_*`` settings are these too; (b) and (c) from any),
+    or None when an approach has none."""
+    results = [json.loads(f.read_text()) for f in sorted(folder.glob("result*.json"))]
+    out: dict = {"seed": seed}
+    for a in approaches:
+        for r in results:
+            them = r.get("settings", {})
+            if a not in r or not same_settings({**them, **({} if a == "warm" else {k: None for k in WARM_SETTINGS})},
+                                               {**settings, **({} if a == "warm" else {k: None for k in WARM_SETTINGS})}):
+                continue
+            out[a], out["bayes_auc_next_day"] = r[a], r["bayes_auc_next_day"]
+            break
+        else:
+            return None
+    return out
+
+
 def replicate(args: argparse.Namespace, approaches: list[str], work: Path, seed: int, settings: dict) -> dict:
     """One week of seed ``seed`` under ``work``; taken from ``work/result.json`` when a run with
-    the same settings left it there."""
+    the same settings left it there, or from a ``--from`` folder's."""
     kept = work / ("result.json" if args.variant is None else f"result_{args.variant}.json")
     if kept.exists():
         old = json.loads(kept.read_text())
         if same_settings(old.get("settings", {}), settings) and all(a in old for a in approaches):
             print(f"seed {seed}: taken from {kept}", file=sys.stderr, flush=True)
             return {"seed": seed, "bayes_auc_next_day": old["bayes_auc_next_day"], **{a: old[a] for a in approaches}}
+    for folder in args.from_:
+        taken = kept_elsewhere(Path(folder) / f"seed_{seed}", seed, approaches, settings)
+        if taken is not None:
+            print(f"seed {seed}: taken from {folder}", file=sys.stderr, flush=True)
+            return taken
     work.mkdir(parents=True, exist_ok=True)
     out = Bench(args, work, seed).run(approaches)
     kept.write_text(json.dumps({**out, "settings": settings}))
     return {"seed": seed, **out}
+
+
+def seed_list(first: int, text: str) -> list[int]:
+    """``K`` (seeds first .. first + K - 1) or a list of seeds and ranges, ``0-9,11``."""
+    if re.fullmatch(r"\d+", text):
+        if int(text) < 1:
+            raise ValueError("must be >= 1")
+        return list(range(first, first + int(text)))
+    seeds: list[int] = []
+    for part in text.split(","):
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
+        if m is None or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
+            raise ValueError(f"expected K or a list like 0-9,11, got {text!r}")
+        seeds += range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1)
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"a seed twice in {text!r}")
+    return seeds
 
 
 def main() -> None:
@@ -336,8 +387,11 @@ def main() -> None:
                    help="(a)'s runs go to DIR/seed_S/warm_NAME, beside a full run's under the same --work, whose "
                         "day 0 (b) they start from: a change to (a) compared on the same worlds, rows and splits")
     p.add_argument("--seed", type=int, default=0, help="the first replicate's seed (world and training)")
-    p.add_argument("--seeds", type=int, default=1, metavar="K",
-                   help="replicates: seeds SEED .. SEED+K-1, each its own world and training (the module's protocol)")
+    p.add_argument("--seeds", default="1", metavar="K|LIST",
+                   help="replicates: seeds SEED .. SEED+K-1, or a list (0-9,11), each its own world and training "
+                        "(the module's protocol)")
+    p.add_argument("--from", dest="from_", action="append", default=[], metavar="DIR",
+                   help="take replicates kept under another --work folder (DIR/seed_S) with the same settings")
     p.add_argument("--work", default=None, metavar="DIR",
                    help="keep every dataset, checkpoint and model here (default: a temporary folder)")
     p.add_argument("--json", action="store_true")
@@ -348,8 +402,10 @@ def main() -> None:
         p.error(f"--approaches: {', '.join(unknown) or 'none given'}: choose from {', '.join(APPROACHES)}")
     if args.days < 1:
         p.error("--days: must be >= 1")
-    if args.seeds < 1:
-        p.error("--seeds: must be >= 1")
+    try:
+        seeds = seed_list(args.seed, args.seeds)
+    except ValueError as e:
+        p.error(f"--seeds: {e}")
     if "warm" in approaches and not has_warm_start():
         raise SystemExit("daily_bench: (a) warm starts need `torchrec-cloud train --warm_start` (issue #42's training "
                          "half), which this checkout lacks; merge it, or run --approaches cold,frozen")  # fmt: skip
@@ -357,7 +413,6 @@ def main() -> None:
                                                "batch_size", "epochs", "learning_rate", "warm_epochs", "warm_learning_rate")}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="daily-bench-") as tmp:
         work = Path(args.work) if args.work else Path(tmp)
-        seeds = range(args.seed, args.seed + args.seeds)
         replicates = [replicate(args, approaches, work / f"seed_{s}", s, settings) for s in seeds]
     out = combine(replicates, approaches)
     print(table(out, approaches))
@@ -380,7 +435,7 @@ def main() -> None:
                     print(line)
                 base["as_warm"] = {k: v for k, v in base["as_warm"].items() if k != "replicates"}
     if args.json:
-        print(json.dumps({**out, "settings": {**settings, "seed": args.seed, "seeds": args.seeds}}))
+        print(json.dumps({**out, "settings": {**settings, "seeds": seeds}}))
 
 
 if __name__ == "__main__":
