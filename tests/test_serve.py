@@ -789,6 +789,10 @@ def test_tables_from_a_bucket_are_one_local_file_that_every_loader_of_the_versio
     os.utime(first.mapped, (1, 1))
     load_scorer(f"{root}/v2", "torchscript", map_tables=True)
     assert sorted(p.name for p in copies.iterdir()) == sorted([Path(newer.mapped).name, third.name])
+    # A folder of the same name that is not private (another user could have made it): not
+    # used; the tables stay in the process, with a note.
+    copies.chmod(0o755)
+    assert load_scorer(f"{root}/v2", "torchscript", map_tables=True).mapped is None
 
 
 def test_workers_below_one_are_refused_naming_the_flag(tmp_path, capsys):

@@ -37,6 +37,7 @@ import hashlib
 import io
 import os
 import stat
+import sys
 import tempfile
 from typing import Any, Optional
 
@@ -125,6 +126,8 @@ def _map_tables(scorer: LoadedScorer, model_dir: str, config: dict[str, Any]) ->
     path = storage.join(model_dir, TABLES_FILE)
     size = config["files"][TABLES_FILE]
     local = _local_copy(path, size) if storage.is_url(model_dir) else storage.local_path(path)
+    if local is None:
+        return
     try:
         fd = os.open(local, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as e:
@@ -163,24 +166,32 @@ def _map_tables(scorer: LoadedScorer, model_dir: str, config: dict[str, Any]) ->
 _KEPT_COPIES = 2
 
 
-def _local_copy(url: str, size: int) -> str:
+def _local_copy(url: str, size: int) -> Optional[str]:
     """A local file with the bytes of ``url`` (read no further than ``size``), named by their
     digest in a folder of this user's, so that every worker process serving the same version
-    maps the same file: the page cache holds one copy, as for a local folder."""
+    maps the same file: the page cache holds one copy, as for a local folder. None, with a
+    note, where no such file can be kept (the tables then stay in each process, as before)."""
     data = _read(url, size)
     folder = os.path.join(tempfile.gettempdir(), f"torchrec-cloud-tables-{os.getuid()}")
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    info = os.lstat(folder)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        # another user's folder (or a link) could hand this process other tables
-        raise ServingError(f"{folder} is not a private folder of this user: cannot keep {url} there")
-    target = os.path.join(folder, hashlib.sha256(data).hexdigest() + ".pt")
-    if not os.path.isfile(target) or os.path.getsize(target) != len(data):
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".partial")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, target)  # whole or absent: workers racing write the same bytes
-    os.utime(target)
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        info = os.lstat(folder)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+            # another user's folder (or a link) could hand this process other tables
+            print(f"torchrec-cloud serve: note: {folder} is not a private folder of this user: {url} is not "
+                  "shared between workers", file=sys.stderr, flush=True)  # fmt: skip
+            return None
+        target = os.path.join(folder, hashlib.sha256(data).hexdigest() + ".pt")
+        if not os.path.isfile(target) or os.path.getsize(target) != len(data):
+            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".partial")
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, target)  # whole or absent: workers racing write the same bytes
+        os.utime(target)
+    except OSError as e:  # a read-only or full temporary directory
+        print(f"torchrec-cloud serve: note: {url} is not shared between workers (no local copy in {folder}: "
+              f"{e.strerror})", file=sys.stderr, flush=True)  # fmt: skip
+        return None
     copies = sorted((e for e in os.scandir(folder) if e.name.endswith(".pt")), key=lambda e: e.stat().st_mtime)
     for old in copies[:-_KEPT_COPIES]:
         if old.path != target:
