@@ -183,22 +183,21 @@ def _local_copy(url: str, size: int) -> Optional[str]:
             return None
         target = os.path.join(folder, hashlib.sha256(data).hexdigest() + ".pt")
         if not os.path.isfile(target) or os.path.getsize(target) != len(data):
-            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".partial")
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, target)  # whole or absent: workers racing write the same bytes
+            storage.write_bytes(target, data)  # whole or absent: workers racing write the same bytes
         os.utime(target)
-    except OSError as e:  # a read-only or full temporary directory
+    except OSError as e:  # a read-only or full temporary directory (storage's errors are OSErrors too)
         print(f"torchrec-cloud serve: note: {url} is not shared between workers (no local copy in {folder}: "
-              f"{e.strerror})", file=sys.stderr, flush=True)  # fmt: skip
+              f"{e.strerror or e})", file=sys.stderr, flush=True)  # fmt: skip
         return None
-    copies = sorted((e for e in os.scandir(folder) if e.name.endswith(".pt")), key=lambda e: e.stat().st_mtime)
-    for old in copies[:-_KEPT_COPIES]:
-        if old.path != target:
-            try:
+    try:  # the tidy-up; another worker's, at the same time, may remove a file first
+        # (not a copy another worker is writing: storage.write_bytes's temporary name)
+        copies = sorted((e for e in os.scandir(folder) if e.name.endswith(".pt") and not e.name.startswith(".tmp-")),
+                        key=lambda e: e.stat().st_mtime)  # fmt: skip
+        for old in copies[:-_KEPT_COPIES]:
+            if old.path != target:
                 os.unlink(old.path)
-            except FileNotFoundError:  # another worker's tidy-up was first
-                pass
+    except FileNotFoundError:
+        pass
     return target
 
 
