@@ -319,10 +319,9 @@ def kept_elsewhere(folder: Path, seed: int, approaches: list[str], settings: dic
     results = [json.loads(f.read_text()) for f in sorted(folder.glob("result*.json"))]
     out: dict = {"seed": seed}
     for a in approaches:
+        ignored = {} if a == "warm" else dict.fromkeys(WARM_SETTINGS)  # (b) and (c) train alike whatever (a)'s are
         for r in results:
-            them = r.get("settings", {})
-            if a not in r or not same_settings({**them, **({} if a == "warm" else {k: None for k in WARM_SETTINGS})},
-                                               {**settings, **({} if a == "warm" else {k: None for k in WARM_SETTINGS})}):
+            if a not in r or not same_settings({**r.get("settings", {}), **ignored}, {**settings, **ignored}):
                 continue
             out[a], out["bayes_auc_next_day"] = r[a], r["bayes_auc_next_day"]
             break

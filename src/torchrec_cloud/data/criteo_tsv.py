@@ -497,8 +497,9 @@ def shard_records(opts: Options, markers: list[dict]) -> tuple[list[dict], list[
             examples += [f"{path}:{first + local + 1}: {reason}" for local, reason in m["skipped_examples"]]
             line = first + m["lines"]
         mins = [m["dense_min"] for m in ms if m["dense_min"] is not None]
-        sources.append({"path": path, "rows": rows, "lines": line, "skipped_rows": sum(m["skipped"] for m in ms),
-                        "skipped_lines": sum(m["skipped"] for m in ms), "dense_min": min(mins) if mins else 0})  # fmt: skip
+        skipped = sum(m["skipped"] for m in ms)  # a Criteo row is a line: both names, one count
+        sources.append({"path": path, "rows": rows, "lines": line, "skipped_rows": skipped, "skipped_lines": skipped,
+                        "dense_min": min(mins) if mins else 0})  # fmt: skip
     return entries, sources, examples
 
 
