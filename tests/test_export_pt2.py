@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -77,6 +79,56 @@ def test_pt2_scores_one_row_and_empty_bags_as_torchrec_and_torchscript(work):
     # predict's lengths come as int32 from a KeyedJaggedTensor: the loader takes them too
     name, dense, values, lengths = batches()[2]
     torch.testing.assert_close(pt2.logits_of_bags(dense, values.int(), lengths.int()), scripted.logits_of_bags(dense, values, lengths))
+
+
+@pytest.fixture
+def fresh_tmpdir(tmp_path, monkeypatch) -> Path:
+    """A temporary directory of the test's own, for torch's C++ (which reads $TMPDIR) and for
+    Python's tempfile (which read it once)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    return tmp
+
+
+def test_pt2_loads_leave_no_extracted_package_behind(work, fresh_tmpdir):
+    """torch extracts a package into $TMPDIR/aotinductor_XXXXXX and removes it only when the
+    loaded model is collected, which a worker that ends abruptly never does: one folder (the
+    library with the weights) left per load and version swap. The loader removes it at once,
+    two loads at the same time each their own, and leaves another process's folder alone."""
+    other = fresh_tmpdir / "aotinductor_AbCdEf"  # another worker's, loading
+    other.mkdir()
+    (other / "wrapper.so").write_bytes(b"not ours")
+    model = str(work / "model")
+    with ThreadPoolExecutor(2) as pool:
+        loads = [pool.submit(load_scorer, model, runtime="pt2") for _ in range(2)]
+        scorers = [f.result() for f in loads]
+    left = sorted(p.name for p in fresh_tmpdir.iterdir() if not p.name.startswith("torchinductor_"))
+    assert left == [other.name] and (other / "wrapper.so").read_bytes() == b"not ours"
+    for name, dense, values, lengths in batches():  # the library is still mapped: they score
+        expected = torchrec_logits(work / "model", dense, values, lengths)
+        for scorer in scorers:
+            torch.testing.assert_close(scorer.logits_of_bags(dense, values, lengths), expected, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_where_kernels_are_read_later_only_the_mapped_library_goes(work, fresh_tmpdir):
+    """A CUDA package reads its kernels from the folder at their first launch: there only the
+    mapped library is removed (the same step on this CPU package), and the model still scores."""
+    from torch._inductor import aoti_load_package
+
+    from torchrec_cloud.serving import runtime
+
+    before = runtime._mapped_files()
+    module = aoti_load_package(str(work / "model" / "scorer.pt2"))
+    runtime._remove_extracted(runtime._mapped_files(), before, whole_folder=False)
+    [folder] = fresh_tmpdir.glob("aotinductor_*")
+    left = [p.name for p in folder.rglob("*") if p.is_file()]
+    assert left and not [n for n in left if n.endswith(".so")]
+    name, dense, values, lengths = batches()[2]
+    with torch.no_grad():
+        got = module(dense, values, lengths)
+    torch.testing.assert_close(got, torchrec_logits(work / "model", dense, values, lengths), rtol=1e-5, atol=1e-6)
 
 
 def edited_copy(work: Path, tmp_path: Path, edit) -> Path:

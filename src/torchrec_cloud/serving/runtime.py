@@ -28,7 +28,9 @@ they were (an export without ``tables.pt``, or the pt2 runtime: each process hol
 docs/serving.md). From a bucket, ``tables.pt`` is copied once to a local file named by its
 digest, which every process serving that version maps. The files are code (a TorchScript
 archive, a shared library): a model folder must come from a trusted writer (docs/security.md);
-each is read no further than the size ``model_config.json`` records.
+each is read no further than the size ``model_config.json`` records. The folder torch extracts
+a package into is removed once the package is loaded (``_load_aoti_package``): a process that
+ends abruptly leaves no copy of the model behind.
 """
 
 from __future__ import annotations
@@ -36,9 +38,12 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import re
+import shutil
 import stat
 import sys
 import tempfile
+import threading
 from typing import Any, Optional
 
 import torch
@@ -221,8 +226,6 @@ def _read_torchscript(model_dir: str, size: int) -> torch.jit.ScriptModule:
 
 
 def _load_pt2(model_dir: str, name: str, size: int, device: str) -> LoadedScorer:
-    from torch._inductor import aoti_load_package
-
     path = storage.join(model_dir, name)
     data = _read(path, size)
     # The loader wants a file: the checked bytes go to a private one, never the folder's own
@@ -232,8 +235,96 @@ def _load_pt2(model_dir: str, name: str, size: int, device: str) -> LoadedScorer
         with open(local, "wb") as f:
             f.write(data)
         try:
-            module = aoti_load_package(local, device_index=0 if device == "cuda" else -1)
+            module = _load_aoti_package(local, device)
         except Exception as e:  # noqa: BLE001 - a damaged archive or library fails in many ways
             raise ServingError(f"{path} is not a loadable AOTInductor package ({type(e).__name__}: "
                                f"{' '.join(str(e).split())[:200]})") from None  # fmt: skip
     return LoadedScorer(module, "pt2", path, device)
+
+
+# Why the folder torch extracts a package into is removed here. torch's loader
+# (torch/csrc/inductor/aoti_package/model_package_loader.cpp, read in the GerHobbelt/pytorch
+# mirror at f339b428, whose "aotinductor_" and "Shared model directory" strings torch 2.13.0's
+# libtorch_cpu.so holds; pytorch/pytorch at 43292dd, older, has the same destructor) extracts
+# into c10::make_tempdir("aotinductor_"): $TMPDIR/aotinductor_XXXXXX ($TMP, $TEMP, $TEMPDIR,
+# else /tmp: c10/util/tempfile.cpp), removed only in ~AOTIModelPackageLoader. A process that
+# ends without collecting the loader (a daemon thread holding the model, os._exit, SIGKILL, a
+# worker replaced) leaves it: the library with the weights baked in, once per load, in a pod's
+# ephemeral storage until the kubelet evicts the pod. Loaded, the library is mapped and a CPU
+# package reads nothing more there. A CUDA package reads each kernel's cubin from the folder at
+# its first launch (torch/_inductor/codegen/cpp_wrapper_gpu.py, generate_load_kernel): there
+# only the mapped library (the bulk) goes, and the destructor removes the rest as before. The
+# folder is found in this process's own mappings, so another process's or another load's in the
+# same directory is never touched (a listing of the directory could not promise that); without
+# /proc/self/maps (macOS) torch's behaviour is left as it is. A load that fails maps nothing:
+# its folder, and the one torch's first of two attempts left (torch/_inductor/package/package.py,
+# load_package), stay as before (versions.py does not load a refused version again).
+_AOTI_PREFIX = "aotinductor_"
+_AOTI_FOLDER = re.compile(r"aotinductor_[A-Za-z0-9]{6}")  # mkdtemp's XXXXXX
+_AOTI_LOCK = threading.Lock()  # loads one at a time: the mappings a load adds are its own
+
+
+def _load_aoti_package(path: str, device: str) -> Any:
+    """``aoti_load_package(path)`` for ``device``, the folder torch extracted it into removed
+    (see above)."""
+    from torch._inductor import aoti_load_package
+
+    with _AOTI_LOCK:
+        before = _mapped_files()
+        try:
+            return aoti_load_package(path, device_index=0 if device == "cuda" else -1)
+        finally:
+            if before is not None:
+                _remove_extracted(_mapped_files() or {}, before, whole_folder=device != "cuda")
+
+
+def _mapped_files() -> Optional[dict[tuple[str, str], str]]:
+    """This process's mapped files, by (device, inode), or None where no /proc/self/maps tells."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    out = {}
+    for line in lines:
+        fields = line.split(maxsplit=5)  # address perms offset dev inode [path, which may hold spaces]
+        if len(fields) == 6 and fields[5].startswith("/") and _AOTI_PREFIX in fields[5]:
+            out[(fields[3], fields[4])] = fields[5]
+    return out
+
+
+def _aoti_root() -> str:
+    """The folder torch's loader makes its folders in (c10/util/tempfile.cpp), as the kernel
+    names it in the mappings."""
+    root = next((os.environ[v] for v in ("TMPDIR", "TMP", "TEMP", "TEMPDIR") if v in os.environ), "/tmp")
+    return os.path.realpath(os.path.dirname(f"{root}/{_AOTI_PREFIX}"))
+
+
+def _remove_extracted(after: dict[tuple[str, str], str], before: dict[tuple[str, str], str],
+                      whole_folder: bool) -> None:
+    """Remove what the files mapped since ``before`` were extracted into: their whole
+    aotinductor_XXXXXX folder, or (``whole_folder`` False) the mapped files alone. Only a
+    folder of torch's name, right under its temporary directory, a directory (not a link) of
+    this user's that no mapping of before this load was in. A tidy-up: what cannot be removed
+    stays, as torch would have left it."""
+    root = _aoti_root()
+    under = os.path.join(root, "")  # "/tmp/", or "/" itself
+    # folders mapped before (a model serving now, whose CUDA kernels may map more of them)
+    earlier = {os.path.relpath(p, root).split(os.sep)[0] for p in before.values() if p.startswith(under)}
+    for key, mapped in after.items():
+        if key in before or mapped.endswith(" (deleted)") or not mapped.startswith(under):
+            continue
+        name = os.path.relpath(mapped, root).split(os.sep)[0]
+        folder = os.path.join(root, name)
+        if not _AOTI_FOLDER.fullmatch(name) or name in earlier:
+            continue
+        try:
+            info = os.lstat(folder)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                continue
+            if whole_folder:
+                shutil.rmtree(folder)
+            elif stat.S_ISREG(os.lstat(mapped).st_mode):
+                os.unlink(mapped)  # the mapping keeps the library until the model is collected
+        except OSError:
+            pass
