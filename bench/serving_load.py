@@ -5,6 +5,7 @@
     python bench/serving_load.py                     # trains and exports a small model first
     python bench/serving_load.py --model models/q    # an exported Criteo-layout model folder
     python bench/serving_load.py --workers 2         # serve --workers 2: two processes on the port
+    python bench/serving_load.py --max_delay_ms 2    # a batcher thread waiting up to 2 ms (default 0: none)
 
 What it does: a Criteo-layout model (the quickstart's, 10,000 rows a table; or ``--model``),
 exported as TorchScript and as an AOTInductor package; 4,096 generated raw Criteo rows;
@@ -171,6 +172,8 @@ def main() -> int:
     parser.add_argument("--runtimes", default="torchscript,pt2")
     parser.add_argument("--json", action="store_true", help="one JSON line per run as well")
     parser.add_argument("--workers", type=int, default=1, help="serve --workers: worker processes on the one port")
+    parser.add_argument("--max_delay_ms", type=float, default=0.0,
+                        help="serve --max_delay_ms (0, serve's default: a loop turn's requests scored at its end)")  # fmt: skip
     args = parser.parse_args()
     if shutil.which("wrk") is None:
         raise SystemExit("wrk is not installed: apt-get install wrk (Debian's package)")
@@ -188,10 +191,12 @@ def main() -> int:
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     print(f"serve's HTTP parser: {http} (httptools when installed); event loop: {loop} (uvloop when installed)",
           flush=True)  # fmt: skip
-    print(f"serve --workers {args.workers}: {args.workers} worker process(es) on the port", flush=True)
+    print(f"serve --workers {args.workers} --max_delay_ms {args.max_delay_ms:g}: {args.workers} worker process(es) on "
+          "the port", flush=True)  # fmt: skip
     table = []
     for runtime in args.runtimes.split(","):
-        server = Server(model, runtime, folder / f"serve-{runtime}.log", args.workers)
+        server = Server(model, runtime, folder / f"serve-{runtime}.log", args.workers, "--max_delay_ms",
+                        f"{args.max_delay_ms:g}")  # fmt: skip
         try:
             for n, body in bodies.items():
                 wrk(server.url, body, 4, 2, script)  # warm-up
@@ -216,7 +221,7 @@ def main() -> int:
 
     # The shedding point: more waiting requests than the queue holds.
     log = folder / "serve-shed.log"
-    server = Server(model, "torchscript", log, args.workers, "--max_queue", "8")
+    server = Server(model, "torchscript", log, args.workers, "--max_queue", "8", "--max_delay_ms", f"{args.max_delay_ms:g}")
     try:
         shed = wrk(server.url, bodies[64], 256, args.seconds, script)
     finally:
@@ -234,7 +239,7 @@ def main() -> int:
               f"{r['of_offline']:.0%} | {r['p50_ms']:.1f} | {r['p95_ms']:.1f} | {r['p99_ms']:.1f} | {r['non_2xx']} | "
               f"{r['server_cpu_us_per_request']:,.0f} |")
     print(f"\noffline `predict --input`, same model and rows: {limit:,.0f} rows/s; HTTP parser {http}; "
-          f"event loop {loop}; serve --workers {args.workers}. {shed_line}")
+          f"event loop {loop}; serve --workers {args.workers} --max_delay_ms {args.max_delay_ms:g}. {shed_line}")
     return 0
 
 

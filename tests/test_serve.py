@@ -173,7 +173,7 @@ def v2_inputs(table) -> list[dict]:
 def served(events, tmp_path_factory):
     """One server of the events model with small limits, for the scoring and bad-input tests."""
     server = Server(events / "model", tmp_path_factory.mktemp("served"), "--max_body_bytes", "200000",
-                    "--max_request_rows", "300", "--max_delay_ms", "5")  # fmt: skip
+                    "--max_request_rows", "300")  # fmt: skip
     yield server
     assert server.stop() == 0, server.text()[-3000:]
 
@@ -250,6 +250,8 @@ def test_a_criteo_model_takes_raw_criteo_fields(criteo, tmp_path):
 def test_bad_requests_get_one_json_line_naming_the_column_or_limit(events, served):
     row = v1_rows(pq.read_table(events / "events" / "day_2.parquet").slice(0, 1))[0]
     url = served.url + "/v1/models/m:predict"
+    # The module's server answered other tests' requests before: what this one adds is counted.
+    v1_before = served.metric('torchrec_serve_request_seconds_count{endpoint="v1"}')
     cases = [
         (request(url, raw=b'{"instances": [{"user": '), 400, "not JSON"),
         (request(url, {"rows": [row]}), 400, "instances"),
@@ -279,7 +281,8 @@ def test_bad_requests_get_one_json_line_naming_the_column_or_limit(events, serve
     assert served.metric("torchrec_serve_errors_total") >= len(cases)
     assert served.metric('torchrec_serve_requests_total{code="413",endpoint="v1"}') == 2
     assert served.metric("torchrec_serve_batch_rows_count") > 0 and served.metric("torchrec_serve_batch_rows_sum") > 0
-    assert served.metric('torchrec_serve_request_seconds_count{endpoint="v1"}') >= len(cases)
+    # Every request to the v1 path is timed, refused or not: the cases but the last three (v2's), and the good one.
+    assert served.metric('torchrec_serve_request_seconds_count{endpoint="v1"}') - v1_before == len(cases) - 3 + 1
     assert served.metric("torchrec_cloud_serve_inflight_requests") == 0 and served.metric("torchrec_serve_queue_depth") == 0
     assert served.metric('torchrec_serve_model_version{version="model"}') == 1
     access = [line for line in served.text().splitlines() if line.startswith("access ")]
@@ -338,6 +341,154 @@ def test_a_full_queue_answers_503_at_once_and_sigterm_answers_what_it_holds(even
     assert "SIGTERM: not ready; answering 2 queued request(s)" in server.text()
 
 
+def http_request(path: str, body: bytes = b"", method: str = "POST", version: str = "1.1", headers: str = "",
+                 length: int | None = None) -> bytes:  # fmt: skip
+    """One request's bytes; ``length``: the Content-Length declared (the body's own by default)."""
+    if method == "POST" and "chunked" not in headers:
+        headers = f"Content-Length: {len(body) if length is None else length}\r\n{headers}"
+    return f"{method} {path} HTTP/{version}\r\nHost: x\r\n{headers}\r\n".encode() + body
+
+
+def read_answers(sock: socket.socket, count: int) -> list[tuple[int, dict, bytes]]:
+    """``count`` answers read off one connection, in order: (status, headers, body)."""
+    data, answers = b"", []
+    while len(answers) < count:
+        if b"\r\n\r\n" in data:
+            head, rest = data.split(b"\r\n\r\n", 1)
+            lines = head.decode().split("\r\n")
+            if lines[0].endswith("100 Continue"):
+                answers.append((100, {}, b""))
+                data = rest
+                continue
+            headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+            size = int(headers["content-length"])
+            if len(rest) >= size:
+                answers.append((int(lines[0].split()[1]), headers, rest[:size]))
+                data = rest[size:]
+                continue
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed the connection after {len(answers)} of {count} answers"
+        data += chunk
+    assert not data, data
+    return answers
+
+
+def test_the_inference_endpoints_speak_http_as_uvicorn_does(events, served):
+    """The inference endpoints are answered below uvicorn's ASGI layer (serving.inference_http):
+    what a client does with HTTP/1.1 still works there. Pipelined requests on one connection are
+    answered in order, mixing both ways of answering (a query string goes the ASGI way, the
+    health check is Starlette's) with a chunked body and a refusal among them; a client that
+    waits for ``100 Continue`` gets it before sending its body, or a 413 without it when its
+    declared body is over the cap; HTTP/1.0 gets its answer and the connection closed; a
+    client that hangs up halfway through its body leaves no request in flight."""
+    rows = v1_rows(pq.read_table(events / "events" / "day_2.parquet").slice(0, 3))
+    bodies = [json.dumps({"instances": [r]}).encode() for r in rows]
+    alone = [request(served.url + "/v1/models/m:predict", {"instances": [r]})[2]["predictions"] for r in rows]
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in (bodies[1][:10], bodies[1][10:])) + b"0\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", served.port), timeout=60) as s:
+        s.sendall(http_request("/v1/models/m:predict", bodies[0]) + http_request("/v1/models/other:predict", bodies[0])
+                  + http_request("/v2/health/live", method="GET")
+                  + http_request("/v1/models/m:predict", chunked, headers="Transfer-Encoding: chunked\r\n")
+                  + http_request("/v1/models/m:predict?trace=1", bodies[2]))  # fmt: skip
+        answers = read_answers(s, 5)
+    assert [a[0] for a in answers] == [200, 404, 200, 200, 200], answers
+    assert [json.loads(answers[k][2])["predictions"] for k in (0, 3, 4)] == alone
+    assert answers[0][1]["x-model-version"] == "model" and answers[0][1]["content-type"] == "application/json"
+    assert "date" in answers[0][1] and "other" in json.loads(answers[1][2])["error"]
+
+    with socket.create_connection(("127.0.0.1", served.port), timeout=60) as s:
+        s.sendall(http_request("/v1/models/m:predict", headers="Expect: 100-continue\r\n", length=len(bodies[0])))
+        assert read_answers(s, 1)[0][0] == 100
+        s.sendall(bodies[0])
+        status, _, body = read_answers(s, 1)[0]
+        assert status == 200 and json.loads(body)["predictions"] == alone[0]
+        s.sendall(http_request("/v1/models/m:predict", headers="Expect: 100-continue\r\n", length=999_999_999))
+        status, _, body = read_answers(s, 1)[0]  # no 100 Continue first
+        assert status == 413 and "--max_body_bytes" in json.loads(body)["error"], body
+
+    with socket.create_connection(("127.0.0.1", served.port), timeout=60) as s:
+        s.sendall(http_request("/v1/models/m:predict", bodies[0], version="1.0"))
+        status, headers, body = read_answers(s, 1)[0]
+        assert status == 200 and headers["connection"] == "close" and s.recv(1) == b""
+
+    def given_up() -> int:
+        return served.text().count(" POST /v1/models/m:predict 400 ")
+
+    before = given_up()
+    with socket.create_connection(("127.0.0.1", served.port), timeout=60) as s:
+        s.sendall(http_request("/v1/models/m:predict", bodies[0][:10], length=500))
+        served.wait_for(lambda: served.metric("torchrec_cloud_serve_inflight_requests") == 1, "the request in flight")
+    served.wait_for(lambda: given_up() == before + 1, "the given-up request in the access log")
+    served.wait_for(lambda: served.metric("torchrec_cloud_serve_inflight_requests") == 0, "nothing in flight")
+    assert request(served.url + "/v1/models/m:predict", {"instances": [rows[0]]})[2]["predictions"] == alone[0]
+
+
+def test_a_turn_of_requests_is_scored_together_and_the_queue_holds_max_queue(events):
+    """--max_delay_ms 0 (the default): the requests submitted in one turn of the event loop are
+    scored together at its end, in batches of at most --max_batch_size rows, each answered with
+    its own rows' scores (as they score alone); past --max_queue, one more is refused."""
+    import asyncio
+
+    from torchrec_cloud.serving.batcher import TurnBatcher
+    from torchrec_cloud.serving.model import ServedModel
+    from torchrec_cloud.serving.requests import decode_v1
+
+    model = ServedModel(str(events / "model"))
+    model.load()
+    rows = v1_rows(pq.read_table(events / "events" / "day_2.parquet").slice(0, 4))
+    requests = [decode_v1(json.dumps({"instances": [r]}).encode(), model.columns, 10, model.lines)[1] for r in rows]
+    alone = [model.predict([r])[0][0] for r in requests]
+    batches, got = [], {}
+
+    async def turn() -> list:
+        batcher = TurnBatcher(lambda: model, max_batch_size=2, max_queue=3, on_batch=batches.append)
+        items = [batcher.submit(r, 1, lambda result, m, k=k: got.__setitem__(k, result)) for k, r in enumerate(requests)]
+        assert not got and batcher.full()  # nothing scored before the turn ends
+        await asyncio.sleep(0)
+        return items
+
+    items = asyncio.run(turn())
+    assert items[3] is None and all(items[:3])
+    assert batches == [2, 1]
+    assert [float(got[k][0]) for k in range(3)] == pytest.approx(alone[:3], abs=1e-6)
+
+
+def test_criteo_rows_in_their_plain_form_convert_as_the_general_way_converts_them(criteo):
+    """A Criteo model's v1 rows in their plain form become TSV lines on the event loop
+    (ServedModel.lines), and a few such lines are parsed field by field, not by parse_block:
+    both give the records, ids and the dense transform's shifts the general way gives (each
+    column checked, the lines parsed by parse_block), on edge values: int32's ends, signs, leading
+    zeros, missing fields, 15 hexadecimal digits in both cases; and values not in the plain form
+    (a float, a boolean, an integer id) are left to the general way, which names them."""
+    from torchrec_cloud.serving.model import CriteoLines, ServedModel
+    from torchrec_cloud.serving.requests import rows_v1
+
+    model = ServedModel(str(criteo / "model"))
+    ints = [None, 0, -1, 2147483647, -2147483647, "007", "", "12", 5, 65535, 3, 1, 0]
+    cats = [None, "", "0", "f" * 15, "ABCDEF", "a1", "7fffffffffffffF", *["%x" % (k * 7919) for k in range(19)]]
+    rows = []
+    for k in range(5):  # rotated, so that each value meets several columns
+        row = {f"int_{i}": ints[(i + k) % 13] for i in range(13)}
+        row.update({f"cat_{i}": cats[(i + k) % 26] for i in range(26)})
+        rows.append(row)
+    converter = model.converter
+    for requests in ([rows[:2], rows[2:]], [rows[:1], rows[1:2], rows[2:5]]):
+        plain = [model.lines(r) for r in requests]
+        assert all(isinstance(p, CriteoLines) for p in plain)
+        general = [rows_v1({"instances": r}, model.columns, 10) for r in requests]
+        sizes = [len(r) for r in requests]
+        few, shift_few = converter.convert_values(plain, sizes)  # field by field (5 lines)
+        lines = [line for p in plain for line in p.lines]
+        block, shift_block = converter._records("".join("0\t" + line + "\n" for line in lines).encode(), sizes)
+        checked, shift_checked = converter.convert_values(general, sizes)  # parse_block, after each column's check
+        for records in (block, checked):
+            assert (few == records).all() and (shift_few == shift_checked).all() and (shift_block == shift_checked).all()
+    for value in (1.5, True):
+        assert model.lines([dict(rows[0], int_3=value)]) is None
+    assert model.lines([dict(rows[0], cat_3=17)]) is None
+    assert model.lines([{k: v for k, v in rows[0].items() if k != "cat_9"}]) is None
+
+
 def headers_only_answer(port: int, request: bytes) -> str:
     """Send ``request`` (headers, no body) and read the answer: its head and body, as text."""
     with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
@@ -379,47 +530,50 @@ def criteo_rows(path: Path, n: int) -> list[dict]:
 
 @pytest.mark.parametrize("which", ["events", "criteo"])
 def test_requests_scored_in_one_batch_each_get_their_own_answer(which, events, criteo, tmp_path):
-    """Four one-row requests held until the batch of four is full, so that they are converted
+    """Five one-row requests held until the batch of five is full, so that they are converted
     and scored together: each good one scores as `predict` scores its row alone (for Criteo,
-    a file of that row: the dense transform's minimum is the request's), and the one with a
-    value that does not convert is answered 400 naming its column, alone."""
+    a file of that row: the dense transform's minimum is the request's), and the ones with a
+    value that does not convert are answered 400 naming its column, alone (for Criteo: one
+    refused by its column's pattern, one that passes the patterns but not the parser: an
+    integer out of int32's range, among the rows converted as TSV lines together)."""
     if which == "events":
         model, table = events / "model", pq.read_table(events / "events" / "day_2.parquet").slice(0, 3)
         good = v1_rows(table)
-        bad, column = dict(good[0], item="not-an-id"), "item"
+        bad = [(dict(good[0], item="not-an-id"), "item"), (dict(good[1], price="cheap"), "price")]
         files = []
         for i in range(3):
             pq.write_table(table.slice(i, 1), tmp_path / f"row{i}.parquet")
             files.append(tmp_path / f"row{i}.parquet")
     else:
         model, good = criteo / "model", criteo_rows(criteo / "train.txt", 3)
-        bad, column = dict(good[0], cat_3="xyz"), "cat_3"
+        bad = [(dict(good[0], cat_3="xyz"), "cat_3"), (dict(good[1], int_0=9999999999), "int_0")]
         lines = (criteo / "train.txt").read_text().splitlines()
         files = []
         for i in range(3):
             (tmp_path / f"row{i}.txt").write_text(lines[i] + "\n")
             files.append(tmp_path / f"row{i}.txt")
     expected = [predicted(model, f, tmp_path)[0] for f in files]
-    server = Server(model, tmp_path, "--max_batch_size", "4", "--max_delay_ms", "3600000", "--timeout_s", "3600")
+    server = Server(model, tmp_path, "--max_batch_size", "5", "--max_delay_ms", "3600000", "--timeout_s", "3600")
     answers: dict = {}
     clients = [threading.Thread(target=lambda k=k, r=r: answers.__setitem__(k, request(server.url + "/v1/models/m:predict",
                                                                                       {"instances": [r]})))
-               for k, r in enumerate([*good, bad])]  # fmt: skip
+               for k, r in enumerate([*good, *(row for row, _ in bad)])]  # fmt: skip
     try:
         for c in clients:
             c.start()
         for c in clients:
             c.join(timeout=300)
-        assert server.metric("torchrec_serve_batch_rows_count") == 1  # one batch of the four
-        assert server.metric("torchrec_serve_batch_rows_sum") == 4
+        assert server.metric("torchrec_serve_batch_rows_count") == 1  # one batch of the five
+        assert server.metric("torchrec_serve_batch_rows_sum") == 5
     finally:
         assert server.stop() == 0, server.text()[-3000:]
     for k in range(3):
         status, _, body = answers[k]
         assert status == 200, body
         assert body["predictions"] == pytest.approx([expected[k]], abs=1e-6)
-    status, _, body = answers[3]
-    assert status == 400 and column in body["error"] and "row 0" in body["error"], body
+    for k, (_, column) in enumerate(bad, start=3):
+        status, _, body = answers[k]
+        assert status == 400 and column in body["error"] and "row 0" in body["error"], body
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -816,17 +970,20 @@ def test_a_worker_that_cannot_load_its_model_ends_the_server(events, tmp_path):
     assert "Traceback" not in proc.stderr and "starting another" not in proc.stderr, proc.stderr[-3000:]
 
 
-def test_without_uvloop_the_server_runs_on_asyncio_and_answers_the_same(events, served, tmp_path):
-    """uvloop is optional (the serve extra installs it): where it does not import, the server
-    runs on asyncio's own loop, says which in its ready line, and answers as the served one
-    does; concurrent requests each get one whole access-log line (they are written a loop
-    turn's lines at a time)."""
-    blocked = tmp_path / "no_uvloop" / "uvloop"
-    blocked.mkdir(parents=True)
-    (blocked / "__init__.py").write_text('raise ImportError("uvloop is not installed here")\n')
-    path = f"{blocked.parent}{os.pathsep}{env_for_subprocess()['PYTHONPATH']}"
+def test_without_the_compiled_extras_the_server_answers_the_same(events, served, tmp_path):
+    """uvloop, httptools and orjson are optional (the serve extra installs them): where they do
+    not import, the server runs on asyncio's own loop and h11, answers every request the ASGI
+    way (serving.server.Inference, no answers below it) and decodes with json, says so in its
+    ready line, and answers as the served one does, refusals included; concurrent requests
+    each get one whole access-log line (they are written a loop turn's lines at a time)."""
+    blocked = tmp_path / "no_extras"
+    for name in ("uvloop", "httptools", "orjson"):
+        (blocked / name).mkdir(parents=True)
+        (blocked / name / "__init__.py").write_text(f'raise ImportError("{name} is not installed here")\n')
+    path = f"{blocked}{os.pathsep}{env_for_subprocess()['PYTHONPATH']}"
     rows = v1_rows(pq.read_table(events / "events" / "day_2.parquet").slice(0, 16))
-    server = Server(events / "model", tmp_path, env={"PYTHONPATH": path})
+    server = Server(events / "model", tmp_path, "--max_body_bytes", "200000", "--max_request_rows", "300",
+                    env={"PYTHONPATH": path})  # fmt: skip
     answers: dict[str, list] = {"served": [None] * 16, "asyncio": [None] * 16}
 
     def client(i: int) -> None:
@@ -834,17 +991,20 @@ def test_without_uvloop_the_server_runs_on_asyncio_and_answers_the_same(events, 
             status, _, body = request(url + "/v1/models/m:predict", {"instances": [rows[i]]})
             answers[which][i] = body["predictions"][0] if status == 200 else body
 
+    bad = [{"instances": [dict(rows[0], price="cheap")]}, {"instances": [rows[0]] * 301}, {"rows": []}]
     try:
         threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        for body in bad:
+            assert request(server.url + "/v1/models/m:predict", body)[::2] == request(served.url + "/v1/models/m:predict", body)[::2]
     finally:
         assert server.stop() == 0, server.text()[-3000:]
     assert answers["asyncio"] == pytest.approx(answers["served"], abs=1e-6), answers
     log = server.text()
-    assert "event loop asyncio" in log, log[-2000:]
+    assert "HTTP parser h11, event loop asyncio" in log, log[-2000:]
     assert ("event loop uvloop" in served.text()) == (importlib.util.find_spec("uvloop") is not None)
     line = r"access 127\.0\.0\.1:\d+ POST /v1/models/m:predict 200 rows=1 version=model \d+\.\d\dms"
     assert len(re.findall(rf"^{line}$", log, re.M)) == 16, log[-3000:]

@@ -58,10 +58,8 @@ class CriteoBatcher:
                 f"{self.where})",
             )
 
-    def __call__(self, records: np.ndarray, shift: np.ndarray, key: Optional[tuple[int, int]]) -> Batch:
-        """``shift``: per row, the smallest dense value of its input file minus 2 (TorchRec's
-        transform); ``key``: the batch's place, which seeds random multi-hot pooling."""
-        b = len(records)
+    def _features(self, records: np.ndarray, shift: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rows' ids (int64, within their tables) and transformed dense values."""
         ids = records["sparse"].astype(np.int64)
         if not self.ids_reduced:
             ids %= self.table_sizes
@@ -73,6 +71,22 @@ class CriteoBatcher:
         else:
             # torchrec.datasets.criteo: x - (file minimum - 2), then log in float32.
             dense = np.log(raw - shift[:, None], dtype=np.float32)
+        return ids, dense
+
+    def bags(self, records: np.ndarray, shift: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a scorer takes of the batch :meth:`__call__` makes: its dense features and its
+        KeyedJaggedTensor's values and lengths (one id a bag, keys first), without the batch."""
+        if self.multi_hot_sizes is not None:
+            batch = self(records, shift, None)
+            return batch.dense_features, batch.sparse_features.values(), batch.sparse_features.lengths()
+        ids, dense = self._features(records, shift)
+        return torch.from_numpy(dense), torch.from_numpy(ids.T.reshape(-1)), torch.ones(ids.size, dtype=torch.int64)
+
+    def __call__(self, records: np.ndarray, shift: np.ndarray, key: Optional[tuple[int, int]]) -> Batch:
+        """``shift``: per row, the smallest dense value of its input file minus 2 (TorchRec's
+        transform); ``key``: the batch's place, which seeds random multi-hot pooling."""
+        b = len(records)
+        ids, dense = self._features(records, shift)
         ids_t = torch.from_numpy(ids)
         if self.multi_hot_sizes is not None:
             from torchrec_cloud.data.multihot import expand_multi_hot

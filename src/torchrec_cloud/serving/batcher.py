@@ -1,21 +1,29 @@
-"""One bounded queue and the one place that forms batches (Triton's dynamic batcher, in little):
+"""One bounded queue and the one place that forms batches (Triton's dynamic batcher, in little),
+in two kinds, one interface:
 
     batcher = Batcher(lambda: model, max_batch_size=256, max_delay_s=0.002, max_queue=64)
-    threading.Thread(target=batcher.run).start()
+    threading.Thread(target=batcher.run).start()  # TurnBatcher: no thread
     if batcher.full(): ...                       # answer 503 now, before reading the request
     if batcher.submit(rows, n, done) is None:    # None: the queue is full, answer 503 now
         ...
     batcher.close()                              # score what is queued at once, then stop
 
-A batch starts when its first request arrives and is scored once it holds ``max_batch_size``
-rows or ``max_delay_s`` has passed since then (or at once while closing). ``model()`` is read
-once per batch, so a batch is scored, conversion included, by exactly one model version.
-The queue counts requests that are waiting, not those being scored: when it holds
+:class:`TurnBatcher` (``--max_delay_ms 0``, the default) waits for nothing and has no thread:
+the requests that arrive in one turn of the server's event loop are scored together at the
+end of that turn, on the loop's own thread; what arrives while they are scored is the next
+turn's batch, so the batches grow with the load. :class:`Batcher` (``--max_delay_ms`` above
+0) scores on a thread of its own: a batch starts when its first request arrives and is scored
+once it holds ``max_batch_size`` rows or ``max_delay_s`` has passed since then (or at once
+while closing); each request's rows and answer then cross between two threads, which costs a
+small request more than its scoring (bench/RESULTS.md, 2026-11-29). Either way ``model()`` is
+read once per batch, so a batch is scored, conversion included, by exactly one model version;
+the queue counts requests that are waiting, not those being scored: when it holds
 ``max_queue``, a new request is refused at once rather than waiting without bound.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import deque
@@ -34,7 +42,88 @@ class Item:
     cancelled: bool = False
 
 
+def take_batch(queue: deque, max_batch_size: int) -> list[Item]:
+    """The requests at the head of ``queue`` that fit ``max_batch_size`` rows (at least one),
+    taken from it; the cancelled ones dropped."""
+    batch, rows = [], 0
+    while queue and (not batch or rows + queue[0].rows <= max_batch_size):
+        item = queue.popleft()
+        if not item.cancelled:
+            batch.append(item)
+            rows += item.rows
+    return batch
+
+
+def score_batch(model: Any, batch: list[Item], on_batch: Callable[[int], None]) -> None:
+    """Score ``batch`` with ``model`` and hand each request its result (or the error raised)."""
+    try:
+        results = model.predict([i.table for i in batch])
+    except Exception as e:  # noqa: BLE001 - answered as the server's failure, never lost
+        results = [e] * len(batch)
+    on_batch(sum(i.rows for i in batch))
+    for item, result in zip(batch, results):
+        try:
+            item.done(result, model)
+        except RuntimeError:  # its server's event loop has closed: no one to answer
+            pass
+
+
+class TurnBatcher:
+    """The batches of ``--max_delay_ms 0``: a turn of the event loop's requests, scored at its
+    end on the loop's thread (the module's docstring). ``submit`` is called on the loop; each
+    ``done`` is called there too."""
+
+    on_loop = True
+
+    def __init__(self, model: Callable[[], Any], max_batch_size: int, max_queue: int,
+                 on_batch: Optional[Callable[[int], None]] = None) -> None:  # fmt: skip
+        self.model, self.max_batch_size, self.max_queue = model, max_batch_size, max_queue
+        self.on_batch = on_batch or (lambda rows: None)
+        self._queue: deque[Item] = deque()
+        self._scheduled = False
+
+    def submit(self, table: Any, rows: int, done: Callable[[Any, Any], None]) -> Optional[Item]:
+        if len(self._queue) >= self.max_queue:
+            return None
+        item = Item(table, rows, done)
+        self._queue.append(item)
+        if not self._scheduled:  # call_soon: after the I/O callbacks of this turn, which queue the rest
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self.score)
+        return item
+
+    def score(self) -> None:
+        """Score what is queued, a batch of at most ``max_batch_size`` rows at a time."""
+        self._scheduled = False
+        while self._queue:
+            batch = take_batch(self._queue, self.max_batch_size)
+            if batch:
+                score_batch(self.model(), batch, self.on_batch)
+
+    def cancel(self, item: Item) -> None:
+        item.cancelled = True
+
+    def full(self) -> bool:
+        return len(self._queue) >= self.max_queue
+
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    depth = waiting
+
+    def close(self) -> None:
+        """Nothing waits longer than its turn: nothing to hurry."""
+
+    def stop(self) -> None:
+        pass
+
+    def run(self) -> None:
+        pass
+
+
 class Batcher:
+    on_loop = False
+
     def __init__(self, model: Callable[[], Any], max_batch_size: int, max_delay_s: float, max_queue: int,
                  on_batch: Optional[Callable[[int], None]] = None,
                  on_depth: Optional[Callable[[int], None]] = None) -> None:  # fmt: skip
@@ -73,6 +162,10 @@ class Batcher:
         that passes here can still find the queue full at :meth:`submit`)."""
         return len(self._queue) >= self.max_queue
 
+    def waiting(self) -> int:
+        """The requests waiting, read without the lock (a length is read whole)."""
+        return len(self._queue)
+
     def depth(self) -> int:
         with self._cv:
             return len(self._queue)
@@ -104,12 +197,7 @@ class Batcher:
                     return None
                 else:
                     self._cv.wait()
-            batch, rows = [], 0
-            while self._queue and (not batch or rows + self._queue[0].rows <= self.max_batch_size):
-                item = self._queue.popleft()
-                if not item.cancelled:
-                    batch.append(item)
-                    rows += item.rows
+            batch = take_batch(self._queue, self.max_batch_size)
             self.on_depth(len(self._queue))
             return batch
 
@@ -118,16 +206,5 @@ class Batcher:
             batch = self._next_batch()
             if batch is None:
                 return
-            if not batch:
-                continue
-            model = self.model()
-            try:
-                results = model.predict([i.table for i in batch])
-            except Exception as e:  # noqa: BLE001 - answered as the server's failure, never lost
-                results = [e] * len(batch)
-            self.on_batch(sum(i.rows for i in batch))
-            for item, result in zip(batch, results):
-                try:
-                    item.done(result, model)
-                except RuntimeError:  # its server's event loop has closed: no one to answer
-                    pass
+            if batch:
+                score_batch(self.model(), batch, self.on_batch)

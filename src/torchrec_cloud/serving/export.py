@@ -276,15 +276,13 @@ def check_pt2(data: bytes, device: str, model: torch.nn.Module, reference: Score
     import os
     import tempfile
 
-    from torch._inductor import aoti_load_package
-
-    from torchrec_cloud.serving.runtime import LoadedScorer
+    from torchrec_cloud.serving.runtime import LoadedScorer, _load_aoti_package
 
     with tempfile.TemporaryDirectory(prefix="torchrec-cloud-export-") as tmp:
         path = os.path.join(tmp, PT2_FILES[device])
         with open(path, "wb") as fh:
             fh.write(data)
-        loaded = LoadedScorer(aoti_load_package(path, device_index=0 if device == "cuda" else -1), "pt2", path, device)
+        loaded = LoadedScorer(_load_aoti_package(path, device), "pt2", path, device)
     if quantize == "none":
         check_against_torchrec(model, loaded, cfg)
     g = torch.Generator().manual_seed(1)

@@ -119,6 +119,23 @@ class ValueRows:
         return pa.table(arrays)
 
 
+class CriteoLines(ValueRows):
+    """A request's Criteo rows as the TSV lines ``predict --input`` reads (label left out),
+    each checked by its columns' patterns when it was made (:meth:`_CriteoRows.lines`): a
+    batch of them is joined and parsed, with no per-column work in between."""
+
+    FORMS = ("criteo-lines",)
+
+    def __init__(self, columns: Sequence[Column], lines: list[str]) -> None:
+        self.columns, self.lines, self.num_rows, self.where = columns, lines, len(lines), "column"
+        self.forms = self.FORMS
+
+    def table(self) -> pa.Table:
+        """The rows as text columns (to convert one request alone, naming a field that fails)."""
+        fields = [line.split("\t") for line in self.lines]
+        return pa.table({c.name: pa.array([f[k] or None for f in fields], pa.string()) for k, c in enumerate(self.columns)})
+
+
 class ServedModel:
     """One exported model folder (local or a bucket URL), ready to score raw rows."""
 
@@ -136,6 +153,9 @@ class ServedModel:
             raise ServingError(f"{model_dir} scores neither a schema's rows nor Criteo's (a synthetic-data model?): "
                                "serve needs a model trained on a schema's dataset or on Criteo data")  # fmt: skip
         self.columns: list[Column] = self.converter.columns
+        # v1 rows straight to what the converter takes, or None where they are not in its plain
+        # form (the protocol then checks them column by column and names what is wrong).
+        self.lines: Optional[Any] = getattr(self.converter, "lines", None)
         self.scorer: Any = None
 
     def load(self) -> None:
@@ -198,10 +218,9 @@ class ServedModel:
                     continue
                 owners.append((i, r.num_rows))
         if parts:
-            batch = self.converter.batch(parts)
-            kjt = batch.sparse_features
+            dense, values, lengths = self.converter.bags(parts)
             with torch.no_grad():
-                logits = self.scorer.logits_of_bags(batch.dense_features, kjt.values(), kjt.lengths())
+                logits = self.scorer.logits_of_bags(dense, values, lengths)
             probabilities = torch.sigmoid(logits.double()).numpy()
             start = 0
             for i, n in owners:
@@ -255,18 +274,23 @@ class _SchemaRows:
     def convert_values(self, requests: Sequence[ValueRows], sizes: Sequence[int]) -> Any:
         return self.convert(ValueRows.stacked(requests), sizes)
 
-    def batch(self, parts: Sequence[Any]) -> Any:
+    def bags(self, parts: Sequence[Any]) -> tuple[Any, Any, Any]:
+        """The converted parts as one batch's dense features and bags (values, lengths)."""
         from torchrec_cloud.data.dataset import Rows
         from torchrec_cloud.data.reader import batch_of
 
         rows = Rows.concat(list(parts), self.transforms.dtype, len(self.lists), self.transforms.list_dtype)
-        return batch_of(rows, self.keys, self.singles, self.lists, self.table_sizes, "the request")
+        batch = batch_of(rows, self.keys, self.singles, self.lists, self.table_sizes, "the request")
+        return batch.dense_features, batch.sparse_features.values(), batch.sparse_features.lengths()
 
 
 _DECIMAL = r"^-?[0-9]{1,10}$"
 _HEX = r"^[0-9a-fA-F]{1,15}$"
 # A Criteo row's fields (its label left out) as one TSV line, when each field passes its
 # column's check above (or is empty): 13 integers, then 26 hexadecimal ids.
+# Up to this many lines, parsing field by field in Python costs less than parse_block's
+# array operations (bench/RESULTS.md, 2026-11-29).
+_FEW_LINES = 16
 _LINE = re.compile(r"(?:-?[0-9]{1,10})?(?:\t(?:-?[0-9]{1,10})?){12}(?:\t[0-9a-fA-F]{0,15}){26}")
 
 
@@ -283,6 +307,7 @@ class _CriteoRows:
                              dense_transform=cfg.data.dense_transform, multi_hot_sizes=cfg.data.multi_hot_sizes,
                              multi_hot_pooling=cfg.data.multi_hot_pooling, seed=cfg.data.seed)  # fmt: skip
         self.columns = [Column(n, CRITEO_INT) for n in DENSE_NAMES] + [Column(n, CRITEO_HEX) for n in SPARSE_NAMES]
+        self.int_names, self.cat_names = list(DENSE_NAMES), list(SPARSE_NAMES)
 
     def convert(self, table: pa.Table, sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """``table``: the rows of requests of ``sizes`` rows each, stacked; each request is a file
@@ -309,17 +334,65 @@ class _CriteoRows:
         if len(parsed.bad_lines):
             first = int(parsed.bad_lines[0])
             raise RequestError(f"row {first}: {parsed.reasons.get(first, 'malformed row')}")
-        records = parsed.records
+        return self._shifted(parsed.records, sizes)
+
+    def _line_records(self, lines: list[str], sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Lines that passed :data:`_LINE` as ``parse_block`` reads them (an empty field is 0; an
+        integer must be within int32 (either sign's largest: -(2**31 - 1) at least); ids taken
+        modulo the tables), field by field: for a few rows (up to :data:`_FEW_LINES`),
+        ``parse_block``'s fixed cost (tens of array operations a call) is most of its time.
+        tests/test_serve.py checks that the two read the same records."""
+        dense, ids = [], []
+        for line in lines:
+            fields = line.split("\t")
+            dense.append([int(x) if x else 0 for x in fields[:13]])
+            ids.append([int(x, 16) if x else 0 for x in fields[13:]])
+        from torchrec_cloud.data.criteo_format import INT32_MAX
+
+        values = np.array(dense, np.int64)
+        if (np.abs(values) > INT32_MAX).any():  # the caller converts each request alone, to name it
+            raise RequestError("an integer field is outside the int32 range")
+        records = np.zeros(len(lines), self.tsv.dtype)
+        records["dense"] = values
+        records["sparse"] = np.array(ids, np.int64) % self.tsv.table_sizes
+        return self._shifted(records, sizes)
+
+    def _shifted(self, records: np.ndarray, sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The records and, per row, its request's shift of the ``torchrec`` dense transform."""
         if self.tsv.dense_transform == "log1p" or not len(records):
             return records, np.zeros(len(records), np.int64)
         starts = np.cumsum([0, *sizes[:-1]])
         smallest = np.minimum.reduceat(records["dense"].min(axis=1), starts).astype(np.int64)
         return records, np.repeat(smallest - 2, sizes)
 
+    def lines(self, rows: list) -> Optional[CriteoLines]:
+        """v1 rows (JSON objects) as TSV lines, when every field is in its plain form (int_*: an
+        integer, text, null; cat_*: text or null) and the lines pass :data:`_LINE`: what
+        :meth:`convert_values` writes of the same values. None otherwise (a missing column, a
+        value of another type or form): the caller then checks them column by column."""
+        ints, cats = self.int_names, self.cat_names
+        lines = []
+        try:
+            for row in rows:
+                # str() of anything but an integer or text (a number, a boolean, a list) fails
+                # _LINE's integer pattern; joining the ids raises TypeError on anything but text.
+                dense = "\t".join(["" if v is None else str(v) for v in [row[n] for n in ints]])
+                lines.append(dense + "\t" + "\t".join(["" if v is None else v for v in [row[n] for n in cats]]))
+        except (KeyError, TypeError):
+            return None
+        if not all(map(_LINE.fullmatch, lines)):
+            return None
+        return CriteoLines(self.columns, lines)
+
     def convert_values(self, requests: Sequence[ValueRows], sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """As :meth:`convert`, from the requests' values: the same TSV lines, written without
         arrow (a row per line, fields as text); a field that fails its check is a
         RequestError that does not say which (the caller converts each request alone for that)."""
+        if isinstance(requests[0], CriteoLines):  # a group has one form: all of them are
+            lines = [line for r in requests for line in r.lines]
+            if len(lines) <= _FEW_LINES:
+                return self._line_records(lines, sizes)
+            return self._records("".join(["0\t" + line + "\n" for line in lines]).encode(), sizes)
         names = [c.name for c in self.columns]
         lines = []
         for r in requests:  # most hold one row: row by row, not column by column
@@ -329,7 +402,8 @@ class _CriteoRows:
             raise RequestError("a field is not its column's integer or hexadecimal id")
         return self._records("".join("0\t" + line + "\n" for line in lines).encode(), sizes)
 
-    def batch(self, parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> Any:
-        records = np.concatenate([p[0] for p in parts])
-        shift = np.concatenate([p[1] for p in parts])
-        return self.tsv.batcher(records, shift, None)
+    def bags(self, parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[Any, Any, Any]:
+        """The converted parts as one batch's dense features and bags (the shards' conversion)."""
+        records = np.concatenate([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+        shift = np.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+        return self.tsv.batcher.bags(records, shift)

@@ -6,8 +6,9 @@ the limit."""
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from torchrec_cloud.serving.model import (CRITEO_HEX, CRITEO_INT, FLOATS, ID, IDS, INT_LISTS, INTS, NULLS, NUMBER,
                                           TEXT, TEXT_LISTS, VALUES, Column, ValueRows)  # fmt: skip
@@ -86,8 +87,46 @@ _ALLOWED = {NUMBER: ((int, float, str), "a number"), ID: ((int, float, str), "an
             CRITEO_INT: ((int, str), "an integer"), CRITEO_HEX: ((str,), "a hexadecimal id as text")}  # fmt: skip
 
 
-def rows_v1(payload: Any, columns: list[Column], max_rows: int) -> ValueRows:
-    """``{"instances": [{column: value, ...}, ...]}`` as the model's columns' values."""
+try:  # the serve extra installs it; json alone answers the same
+    from orjson import loads as _orjson_loads
+except ImportError:  # pragma: no cover - depends on what is installed
+    _orjson_loads = None
+
+Lines = Optional[Callable[[list], Optional[ValueRows]]]
+"""A model's v1 rows in their plain form straight to what it converts, else None
+(:attr:`~torchrec_cloud.serving.model.ServedModel.lines`)."""
+
+
+def decode(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as e:
+        raise Refused(400, f"the body is not JSON ({str(e)[:120]})") from None
+
+
+def decode_v1(body: bytes, columns: list[Column], max_rows: int, lines: Lines = None) -> tuple[Any, ValueRows]:
+    """A v1 body: its JSON and its rows. Rows in the model's plain form (``lines`` takes them)
+    are decoded by orjson where it is installed; anything else, or anything orjson refuses, by
+    json and :func:`rows_v1`, which answers it. So orjson never decides an answer: where it
+    reads a value otherwise (an integer past 64 bits becomes a float), the plain form fails."""
+    if lines is not None and _orjson_loads is not None:
+        try:
+            payload = _orjson_loads(body)
+        except ValueError:  # orjson.JSONDecodeError
+            payload = None
+        rows = payload.get("instances") if isinstance(payload, dict) else None
+        if isinstance(rows, list) and 0 < len(rows) <= max_rows and all(r.__class__ is dict for r in rows):
+            plain = lines(rows)
+            if plain is not None:
+                return payload, plain
+        lines = None  # not plain: json's values go the general way
+    payload = decode(body)
+    return payload, rows_v1(payload, columns, max_rows, lines)
+
+
+def rows_v1(payload: Any, columns: list[Column], max_rows: int, lines: Lines = None) -> ValueRows:
+    """``{"instances": [{column: value, ...}, ...]}`` as the model's columns' values (as
+    ``lines`` takes them when it does)."""
     if not isinstance(payload, dict) or not isinstance(payload.get("instances"), list):
         raise Refused(400, 'expected {"instances": [row, ...]} with one JSON object per row')
     rows = payload["instances"]
@@ -95,6 +134,9 @@ def rows_v1(payload: Any, columns: list[Column], max_rows: int) -> ValueRows:
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise Refused(400, f"instances[{i}] is {_type(row)}, not an object of the schema's columns")
+    plain = None if lines is None else lines(rows)
+    if plain is not None:
+        return plain
     values, forms = {}, {}
     one = rows[0] if len(rows) == 1 else None
     for c in columns:

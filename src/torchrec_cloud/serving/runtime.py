@@ -62,6 +62,15 @@ class LoadedScorer:
     def __init__(self, module: Any, runtime: str, path: str, device: str = "cpu") -> None:
         self.module, self.runtime, self.path, self.device = module, runtime, path, device
         self.mapped: Optional[str] = None  # the tables file mapped in place of the module's own tables
+        self._run: Any = None
+        if runtime == "pt2":
+            self._run = _flat_call(module)
+
+    def _pt2(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        if self._run is None:
+            return self.module(dense, values, lengths)
+        run, unflatten, out_spec = self._run
+        return unflatten(run([dense, values, lengths]), out_spec)
 
     def logits_of_bags(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Click logits ``[B]`` (on the CPU) of multi-hot bags in TorchRec's
@@ -71,11 +80,29 @@ class LoadedScorer:
         with torch.no_grad():
             if self.runtime == "torchscript":
                 return self.module.logits_of_bags(dense, values, lengths).cpu()
-            return self.module(dense, values, lengths).cpu()
+            return self._pt2(dense, values, lengths).cpu()
 
     def probabilities(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Click probabilities ``[B]``."""
         return torch.sigmoid(self.logits_of_bags(dense, values, lengths))
+
+
+def _flat_call(module: Any) -> Optional[tuple[Any, Any, Any]]:
+    """The package's loader called with the three tensors as they are, and its output's
+    structure: what torch's ``AOTICompiledModel.__call__`` does at each call after reading the
+    call's structure again from the package (torch/export/pt2_archive/_package.py), a cost of
+    every batch. None (call the module) unless the package takes exactly three positional
+    tensors, as export makes it."""
+    from torch.utils import _pytree as pytree
+
+    loader = getattr(module, "loader", None)
+    try:
+        in_spec, out_spec = loader.get_call_spec()  # type: ignore[union-attr]
+        if pytree.treespec_loads(in_spec) != pytree.tree_structure(((0, 0, 0), {})):
+            return None
+        return loader.boxed_run, pytree.tree_unflatten, pytree.treespec_loads(out_spec)  # type: ignore[union-attr]
+    except Exception:  # noqa: BLE001 - another torch's loader: the module's own call
+        return None
 
 
 def pt2_unusable(config: dict[str, Any], device: str) -> Optional[str]:

@@ -19,9 +19,11 @@ access-log line per request on stderr. This module is the protocol; the model kn
 Starlette on uvicorn (httptools and uvloop when installed, else h11 and asyncio): docs/serving.md says why not
 KServe's own server. ``--workers N``: N such servers on one port under a supervisor
 (:mod:`~torchrec_cloud.serving.workers`), the tables shared (mapped from ``tables.pt``).
-The inference endpoints are answered by :class:`Inference` on raw ASGI messages (a request
-costs its JSON and a type check of its values; the model converts a batch's requests
-together), the rest of the API by Starlette.
+The inference endpoints are answered by :class:`Inference`'s steps (a request costs its JSON
+and a check of its values; the model converts a batch's requests together): below uvicorn's
+ASGI layer with httptools (:mod:`~torchrec_cloud.serving.inference_http`), else on raw ASGI
+messages; the rest of the API by Starlette. Metrics and the access log:
+:mod:`~torchrec_cloud.serving.observe`.
 """
 
 from __future__ import annotations
@@ -31,11 +33,9 @@ import asyncio
 import gc
 import json
 import math
-import os
 import re
 import signal
 import socket
-import sys
 import threading
 import time
 from typing import Any, Optional
@@ -43,56 +43,17 @@ from typing import Any, Optional
 from torchrec_cloud.config import ConfigError
 from torchrec_cloud.serving import ServingError, add_command, write_line
 from torchrec_cloud.serving.model import CRITEO_HEX, CRITEO_INT, IDS, NUMBER, RequestError
-from torchrec_cloud.serving.requests import Refused, rows_v1, rows_v2
+from torchrec_cloud.serving.observe import Access, LiveGauges, Metrics
+from torchrec_cloud.serving.requests import Refused, decode, decode_v1, rows_v2
 
 # -- the server ------------------------------------------------------------------------------
-
-
-class Metrics:
-    """The server's Prometheus metrics, in a registry of its own (``/metrics``). With
-    ``--workers N`` they are in prometheus_client's multiprocess mode (:mod:`.workers`): each
-    worker's values in files, which a scrape of any worker adds up (``scrape``); the gauges say
-    how (``livesum``: the live workers' sum; ``livemax``: the model version any live worker serves)."""
-
-    def __init__(self) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
-        self.registry = r = CollectorRegistry()
-        self.requests = Counter("torchrec_serve_requests", "Requests answered, by endpoint and HTTP code",
-                                ["endpoint", "code"], registry=r)  # fmt: skip
-        self.errors = Counter("torchrec_serve_errors", "Requests answered with a 4xx or 5xx, by code", ["code"], registry=r)
-        self.latency = Histogram("torchrec_serve_request_seconds", "Inference request latency, seconds", ["endpoint"],
-                                 registry=r, buckets=(.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10))  # fmt: skip
-        self.batch_rows = Histogram("torchrec_serve_batch_rows", "Rows per scored batch", registry=r,
-                                    buckets=tuple(2.0**k for k in range(15)))  # fmt: skip
-        self.queue_depth = Gauge("torchrec_serve_queue_depth", "Requests waiting to be batched", registry=r,
-                                 multiprocess_mode="livesum")  # fmt: skip
-        # The name the rendered KEDA ScaledObject queries (deploy/serving.py, INFLIGHT_METRIC).
-        self.in_flight = Gauge("torchrec_cloud_serve_inflight_requests", "Inference requests being handled", registry=r,
-                               multiprocess_mode="livesum")  # fmt: skip
-        self.version = Gauge("torchrec_serve_model_version", "1 for the model version being served", ["version"],
-                             registry=r, multiprocess_mode="livemax")  # fmt: skip
-        self.refused = Counter("torchrec_serve_versions_refused", "Model versions refused (failed their checks)", registry=r)
-        self.swaps = Counter("torchrec_serve_version_swaps", "Model versions swapped in while serving", registry=r)
-
-    def scrape(self) -> bytes:
-        """The text of ``/metrics``: this process's registry, or every worker's values."""
-        from prometheus_client import CollectorRegistry, generate_latest
-        from prometheus_client.multiprocess import MultiProcessCollector
-
-        if not self.multiprocess:
-            return generate_latest(self.registry)
-        registry = CollectorRegistry()
-        MultiProcessCollector(registry)
-        return generate_latest(registry)
 
 
 class State:
     """What the endpoints read: the model served (swapped whole), readiness, the batcher."""
 
     def __init__(self, ns: argparse.Namespace, model: Any, metrics: Metrics, worker: Any = None) -> None:
-        from torchrec_cloud.serving.batcher import Batcher
+        from torchrec_cloud.serving.batcher import Batcher, TurnBatcher
 
         self.ns, self.model, self.metrics = ns, model, metrics
         self.worker = worker  # serving.workers.WorkerInfo of a worker process, else None
@@ -103,8 +64,13 @@ class State:
         self.draining_since = 0.0  # set by the signal handler itself, before anything else
         self.failed: Optional[str] = None
         self.access = Access(metrics, None if worker is None else worker.index)
-        self.batcher = Batcher(lambda: self.model, ns.max_batch_size, ns.max_delay_ms / 1000, ns.max_queue,
-                               on_batch=metrics.batch_rows.observe, on_depth=metrics.queue_depth.set)  # fmt: skip
+        if ns.max_delay_ms > 0:
+            self.batcher: Any = Batcher(lambda: self.model, ns.max_batch_size, ns.max_delay_ms / 1000, ns.max_queue,
+                                        on_batch=metrics.batch_rows.observe)  # fmt: skip
+        else:  # a turn of the event loop's requests, scored at its end on the loop's thread
+            self.batcher = TurnBatcher(lambda: self.model, ns.max_batch_size, ns.max_queue,
+                                       on_batch=metrics.batch_rows.observe)  # fmt: skip
+        self.gauges = LiveGauges(metrics, self.batcher.waiting)
 
     @property
     def ready(self) -> bool:
@@ -208,11 +174,7 @@ def build_app(state: State) -> Any:
 
     def guarded(handler: Any, endpoint: str) -> Any:
         async def run(request: Any) -> Any:
-            scope = request.scope.setdefault("torchrec_serve", {})
-            scope["endpoint"] = endpoint
-            inference = endpoint in ("v1", "v2")
-            if inference:
-                metrics.in_flight.inc()
+            request.scope.setdefault("torchrec_serve", {})["endpoint"] = endpoint
             try:
                 return await handler(request)
             except Refused as e:
@@ -220,9 +182,6 @@ def build_app(state: State) -> Any:
             except Exception as e:  # noqa: BLE001 - a fault of ours: one line, never a traceback to the client
                 log(f"{request.method} {request.url.path}: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
                 return _error(500, f"internal error ({type(e).__name__})")
-            finally:
-                if inference:
-                    metrics.in_flight.dec()
 
         return run
 
@@ -241,11 +200,12 @@ def build_app(state: State) -> Any:
 class Inference:
     """ASGI: ``POST /v1/models/NAME:predict`` and ``POST /v2/models/NAME/infer``, answered here
     on raw ASGI messages and recorded by :class:`Access`, everything else passed to ``app``
-    (Starlette, in :class:`AccessLog`). A one-row request costs little more than its JSON: no
-    framework objects, one ``json.loads``, the values checked in Python and handed to the
-    batcher as they are (the model converts a batch's requests together). A request that cannot
-    be queued (a full queue, an oversized body, a model not loaded) is answered before its body
-    is read, with a body encoded once."""
+    (Starlette, in :class:`AccessLog`); its steps (``admit``, ``parse``, ``submit``, ``scored``)
+    are also those of the answers given below ASGI (:mod:`.inference_http`). A one-row request
+    costs little more than its JSON: no framework objects, the values checked in Python and
+    handed to the batcher as they are (the model converts a batch's requests together). A
+    request that cannot be queued (a full queue, an oversized body, a model not loaded) is
+    answered before its body is read, with a body encoded once."""
 
     PATHS = re.compile(r"/v1/models/([^/]+):predict|/v2/models/([^/]+)/infer")
 
@@ -254,7 +214,7 @@ class Inference:
         ns = state.ns
         self.queue_full = _error_body(f"the queue is full ({ns.max_queue} requests, --max_queue): retry")
         self.not_loaded = _error_body(f"model {state.name} is not loaded yet")
-        self.metrics, self.access = state.metrics, state.access
+        self.metrics, self.access, self.gauges = state.metrics, state.access, state.gauges
         self.answers = Answers()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -265,19 +225,17 @@ class Inference:
         protocol, name = ("v1", match.group(1)) if match.group(1) is not None else ("v2", match.group(2))
         info = scope.setdefault("torchrec_serve", {})
         info["endpoint"] = protocol
-        self.metrics.in_flight.inc()
+        self.gauges.flight(1)
         try:
             if scope["method"] != "POST":
                 raise Refused(405, f"{scope['method'][:10]} is not allowed here: POST a request")
             status, body, headers = await self.answer(scope, receive, info, protocol, name)
         except Refused as e:
-            status, body = e.status, _error_body(str(e))
-            headers = [(b"retry-after", b"1")] if e.retry_after else []
+            status, body, headers = self.refusal(e)
         except Exception as e:  # noqa: BLE001 - a fault of ours: one line, never a traceback to the client
-            log(f"POST {scope['path'][:200]}: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
-            status, body, headers = 500, _error_body(f"internal error ({type(e).__name__})"), []
+            status, body, headers = self.failure(f"POST {scope['path']}", e)
         finally:
-            self.metrics.in_flight.dec()
+            self.gauges.flight(-1)
         if status == 405:
             headers.append((b"allow", b"POST"))
         headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
@@ -288,38 +246,82 @@ class Inference:
             self.access.record(scope, info, status, time.perf_counter() - start)
 
     async def answer(self, scope: Any, receive: Any, info: dict, protocol: str, name: str) -> tuple[int, bytes, list]:
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), b"")
+        early = self.admit(name, declared)
+        if early is not None:
+            return early
+        payload, rows = self.parse(protocol, await read_body(receive, self.state.ns.max_body_bytes), info)
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        item = self.submit(rows, lambda value: answer.done() or answer.set_result(value), loop)
+        if item is None:
+            return 503, self.queue_full, [(b"retry-after", b"1")]
+        timer = loop.call_later(self.state.ns.timeout_s, lambda: answer.done() or answer.set_exception(asyncio.TimeoutError()))
+        try:
+            result, model = await answer
+        except asyncio.TimeoutError:
+            raise self.timed_out(item) from None
+        finally:
+            timer.cancel()
+        return self.scored(protocol, payload, result, model, info)
+
+    # The steps of a request, shared with the answers given below ASGI (serving.inference_http).
+
+    @staticmethod
+    def refusal(e: Refused) -> tuple[int, bytes, list]:
+        return e.status, _error_body(str(e)), [(b"retry-after", b"1")] if e.retry_after else []
+
+    @staticmethod
+    def failure(where: str, e: Exception) -> tuple[int, bytes, list]:
+        """A fault of ours: one log line, and a one-line 500, never a traceback to the client."""
+        log(f"{where[:200]}: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
+        return 500, _error_body(f"internal error ({type(e).__name__})"), []
+
+    def admit(self, name: str, declared: bytes) -> Optional[tuple[int, bytes, list]]:
+        """Before the body is read: a wrong name or a declared body over the cap is Refused; a
+        model not loaded yet or a full queue is answered (503) at once; None: read the body."""
         state, ns = self.state, self.state.ns
         if name != state.name:
             raise Refused(404, f"no model named {name[:64]!r}; this server has {state.name!r}")
         if not state.loaded:
             return 503, self.not_loaded, [(b"retry-after", b"1")]
-        declared = next((v for k, v in scope["headers"] if k == b"content-length"), b"")
         if declared.isdigit() and int(declared) > ns.max_body_bytes:
             raise Refused(413, f"the body has {declared.decode()} bytes: over the limit of {ns.max_body_bytes} "
                                "(--max_body_bytes)")  # fmt: skip
         if state.batcher.full():  # shed before reading the body: the cheapest answer there is
             return 503, self.queue_full, [(b"retry-after", b"1")]
-        body = await read_body(receive, ns.max_body_bytes)
-        try:
-            payload = json.loads(body)
-        except (ValueError, RecursionError) as e:
-            raise Refused(400, f"the body is not JSON ({str(e)[:120]})") from None
-        columns = state.model.columns  # the same for every version (a swap checks it)
-        rows = (rows_v1 if protocol == "v1" else rows_v2)(payload, columns, ns.max_request_rows)
+        return None
+
+    def parse(self, protocol: str, body: bytes, info: dict) -> tuple[Any, Any]:
+        """The body's JSON and its rows, checked (Refused: a 4xx naming the column or limit)."""
+        ns, model = self.state.ns, self.state.model
+        columns = model.columns  # the same for every version (a swap checks it)
+        if protocol == "v1":
+            payload, rows = decode_v1(body, columns, ns.max_request_rows, model.lines)
+        else:
+            payload = decode(body)
+            rows = rows_v2(payload, columns, ns.max_request_rows)
         info["rows"] = rows.num_rows
-        loop = asyncio.get_running_loop()
-        answer = loop.create_future()
-        item = state.batcher.submit(rows, rows.num_rows, lambda r, m: self.answers.put(loop, answer, (r, m)))
-        if item is None:
-            return 503, self.queue_full, [(b"retry-after", b"1")]
-        timer = loop.call_later(ns.timeout_s, lambda: answer.done() or answer.set_exception(asyncio.TimeoutError()))
-        try:
-            result, model = await answer
-        except asyncio.TimeoutError:
-            state.batcher.cancel(item)
-            raise Refused(504, f"not scored within {ns.timeout_s:g}s (--timeout_s)") from None
-        finally:
-            timer.cancel()
+        return payload, rows
+
+    def submit(self, rows: Any, settle: Any, loop: asyncio.AbstractEventLoop) -> Any:
+        """Queue the rows; ``settle((result, model))`` is called on ``loop`` once they are
+        scored. None: the queue is full."""
+        batcher = self.state.batcher
+        if batcher.on_loop:
+            item = batcher.submit(rows, rows.num_rows, lambda r, m: settle((r, m)))
+        else:  # scored on the batcher's thread: the answer crosses back to the loop
+            item = batcher.submit(rows, rows.num_rows, lambda r, m: self.answers.put(loop, settle, (r, m)))
+        self.gauges.changed()
+        return item
+
+    def timed_out(self, item: Any) -> Refused:
+        self.state.batcher.cancel(item)
+        self.gauges.changed()
+        return Refused(504, f"not scored within {self.state.ns.timeout_s:g}s (--timeout_s)")
+
+    def scored(self, protocol: str, payload: Any, result: Any, model: Any, info: dict) -> tuple[int, bytes, list]:
+        """The answer to rows scored by ``model``: their probabilities, or the error they raised."""
         info["version"] = model.version
         if isinstance(result, RequestError):
             raise Refused(400, str(result))
@@ -327,14 +329,27 @@ class Inference:
             log(f"scoring failed: {type(result).__name__}: {' '.join(str(result).split())[:300]}")
             raise Refused(500, f"scoring failed ({type(result).__name__}); the server log says more")
         probabilities = result.tolist()
-        headers = [(b"x-model-version", model.version.encode())]
+        headers = [(b"x-model-version", version_header(model.version))]
         if protocol == "v1":
             return 200, _json({"predictions": probabilities}), headers
-        out = {"model_name": state.name, "model_version": model.version,
+        out = {"model_name": self.state.name, "model_version": model.version,
                "outputs": [{"name": "probability", "shape": [len(probabilities)], "datatype": "FP64", "data": probabilities}]}  # fmt: skip
         if isinstance(payload.get("id"), str):
             out["id"] = payload["id"][:256]
         return 200, _json(out), headers
+
+
+def version_header(version: str) -> bytes:
+    """A model version as an HTTP header value: a folder's name can hold what a header cannot
+    (a control character), which is escaped."""
+    value = _VERSION_HEADERS.get(version)
+    if value is None:
+        value = _VERSION_HEADERS[version] = re.sub(rb"[\x00-\x1f\x7f]", lambda m: b"\\x%02x" % m.group()[0],
+                                                   version.encode("utf-8", "backslashreplace"))  # fmt: skip
+    return value
+
+
+_VERSION_HEADERS: dict[str, bytes] = {}
 
 
 class Answers:
@@ -346,10 +361,10 @@ class Answers:
         self._pending: list = []
         self._scheduled = False
 
-    def put(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any) -> None:
-        """From any thread: ``future`` gets ``value`` (unless it is done: a timeout)."""
+    def put(self, loop: asyncio.AbstractEventLoop, settle: Any, value: Any) -> None:
+        """From any thread: ``settle(value)`` is called on ``loop``."""
         with self._lock:
-            self._pending.append((future, value))
+            self._pending.append((settle, value))
             if self._scheduled:
                 return
             self._scheduled = True
@@ -358,9 +373,11 @@ class Answers:
     def _settle(self) -> None:
         with self._lock:
             pending, self._pending, self._scheduled = self._pending, [], False
-        for future, value in pending:
-            if not future.done():
-                future.set_result(value)
+        for settle, value in pending:
+            try:
+                settle(value)
+            except Exception as e:  # noqa: BLE001 - one request's fault of ours: the others are still answered
+                log(f"answering a request: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
 
 
 async def read_body(receive: Any, cap: int) -> bytes:
@@ -385,72 +402,6 @@ def _json(value: Any) -> bytes:
 
 def _error_body(message: str) -> bytes:
     return _json({"error": " ".join(message.split())})
-
-
-class Access:
-    """One access-log line per request on stderr (client, method, path, status, rows, model
-    version, milliseconds, and with ``--workers N`` the worker) and the request counters and
-    latency histogram. The lines of one turn of the event loop go out in one write at its next
-    turn (a write a request was most of a one-row request's cost in system calls), in pieces
-    of whole lines no longer than a pipe writes at once, so the workers' lines never mix; the
-    metrics' labelled children are looked up once, not at every request."""
-
-    def __init__(self, metrics: Metrics, worker: Optional[int] = None) -> None:
-        self.metrics = metrics
-        self.worker = "" if worker is None else f" worker={worker}"  # --workers N: which one answered
-        self._counters: dict[tuple[str, str], Any] = {}
-        self._lines: list[str] = []
-
-    def record(self, scope: Any, info: dict, status: int, seconds: float) -> None:
-        endpoint, code = info.get("endpoint", "other"), str(status)
-        counters = self._counters.get((endpoint, code))
-        if counters is None:
-            m = self.metrics
-            counters = self._counters[endpoint, code] = (
-                m.requests.labels(endpoint, code), m.errors.labels(code) if status >= 400 else None,
-                m.latency.labels(endpoint) if endpoint in ("v1", "v2") else None)  # fmt: skip
-        requests, errors, latency = counters
-        requests.inc()
-        if errors is not None:
-            errors.inc()
-        if latency is not None:
-            latency.observe(seconds)
-        client = scope.get("client") or ("-", 0)
-        extra = f" rows={info['rows']}" if "rows" in info else ""
-        extra += f" version={info['version']}" if "version" in info else ""
-        path = scope.get("path", "")[:200].encode("unicode_escape").decode()
-        if not self._lines:
-            asyncio.get_running_loop().call_soon(self.flush)
-        self._lines.append(f"access {client[0]}:{client[1]} {scope.get('method')} {path} {code}{extra} "
-                           f"{seconds * 1000:.2f}ms{self.worker}\n")  # fmt: skip
-
-    def flush(self) -> None:
-        """Write the lines held (also called once the server has stopped)."""
-        lines, self._lines = self._lines, []
-        if lines:
-            write_lines(lines)
-
-
-_PIPE_BUF = 4096  # POSIX: a write of at most this many bytes to a pipe is never interleaved with another's
-
-
-def write_lines(lines: list[str]) -> None:
-    """Lines (each ending in a newline) on stderr, in as few writes as keep each whole."""
-    sys.stderr.flush()  # what write_line wrote goes first
-    chunk, size = [], 0
-    for line in lines:
-        data = line.encode("utf-8", "backslashreplace")
-        if chunk and size + len(data) > _PIPE_BUF:
-            _write_all(b"".join(chunk))
-            chunk, size = [], 0
-        chunk.append(data)
-        size += len(data)
-    _write_all(b"".join(chunk))
-
-
-def _write_all(data: bytes) -> None:
-    while data:
-        data = data[os.write(2, data):]
 
 
 class AccessLog:
@@ -491,9 +442,11 @@ def event_loop() -> str:
 def http_parser() -> str:
     """uvicorn's HTTP parser: httptools (C, llhttp) when installed (the ``serve`` extra installs
     it), else h11 (pure Python: more of a small request's CPU time, bench/RESULTS.md)."""
-    import importlib.util
-
-    return "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
+    try:
+        import httptools  # noqa: F401
+    except ImportError:  # not installed, or not importable here
+        return "h11"
+    return "httptools"
 
 
 def serve(ns: argparse.Namespace) -> int:
@@ -516,10 +469,12 @@ def serve(ns: argparse.Namespace) -> int:
     if worker is not None:
         _TAG = f"torchrec-cloud serve[worker {worker.index}]"
         worker.follow_parent()
-    # The event loop parses requests while the batcher's thread scores: torch's threads
-    # spinning on every core would take the loop's core from it (from each worker's).
+    # With a batcher thread (--max_delay_ms above 0) the event loop parses requests while it
+    # scores: torch's threads spinning on every core would take the loop's core from it (from
+    # each worker's). Scored on the loop's thread, a batch has the worker's share of the cores.
     workers = 1 if worker is None else worker.workers
-    torch.set_num_threads(ns.num_threads or max(1, (_cpu_count() - workers) // workers))
+    cores = _cpu_count() - (workers if ns.max_delay_ms > 0 else 0)
+    torch.set_num_threads(ns.num_threads or max(1, cores // workers))
     metrics = Metrics()
     state = State(ns, model, metrics, worker)
 
@@ -533,9 +488,16 @@ def serve(ns: argparse.Namespace) -> int:
                 self.force_exit = True
             self.should_exit = True
 
-    config = uvicorn.Config(build_app(state), host=ns.host, port=ns.port, access_log=False, log_level="warning",
+    app, parser = build_app(state), http_parser()
+    if parser == "httptools":  # the inference endpoints answered below ASGI (serving.inference_http)
+        from torchrec_cloud.serving.inference_http import protocol_class
+
+        http: Any = protocol_class(app)
+    else:
+        http = parser
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, access_log=False, log_level="warning",
                             lifespan="off", timeout_graceful_shutdown=ns.grace_s, server_header=False,
-                            proxy_headers=False, http=http_parser(), loop=event_loop())  # fmt: skip
+                            proxy_headers=False, http=http, loop=event_loop())  # fmt: skip
     server = Server(config)
 
     def load() -> None:
@@ -551,7 +513,7 @@ def serve(ns: argparse.Namespace) -> int:
         tables = f"tables mapped from {model.scorer.mapped}" if model.scorer.mapped else "tables in this process"
         log(f"ready: {state.name} version {model.version} on http://{ns.host}:{ns.port} "
             f"(/v1/models/{state.name}:predict, /v2/models/{state.name}/infer, /metrics; {tables}; "
-            f"HTTP parser {config.http}, event loop {config.loop})")  # fmt: skip
+            f"HTTP parser {parser}, event loop {config.loop})")  # fmt: skip
         if worker is not None:
             worker.report_ready()
         if ns.follow:
@@ -560,7 +522,8 @@ def serve(ns: argparse.Namespace) -> int:
 
     ns.follow = is_root(ns.model)
     batcher = threading.Thread(target=state.batcher.run, name="batcher", daemon=True)
-    batcher.start()
+    if not state.batcher.on_loop:
+        batcher.start()
     if worker is not None and worker.load_first:  # a replacement: the other workers answer while it loads
         load()
     else:
@@ -573,7 +536,8 @@ def serve(ns: argparse.Namespace) -> int:
         raise ServingError(f"could not listen on {ns.host}:{ns.port} (in use, or not an address of this host)") from None
     finally:
         state.batcher.stop()
-        batcher.join(timeout=ns.grace_s)
+        if batcher.is_alive():
+            batcher.join(timeout=ns.grace_s)
         state.access.flush()
     if state.failed:
         raise ServingError(state.failed)
@@ -590,8 +554,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
     parser.add_argument("--port", type=int, default=8080, help="port to listen on")
     parser.add_argument("--max_batch_size", type=int, default=256, help="rows scored together at most")
-    parser.add_argument("--max_delay_ms", type=float, default=2.0,
-                        help="how long the first request of a batch waits for others to join it")  # fmt: skip
+    parser.add_argument("--max_delay_ms", type=float, default=0.0,
+                        help="how long the first request of a batch waits for others to join it (0: none; the "
+                             "requests of one turn of the event loop are scored together at its end)")  # fmt: skip
     parser.add_argument("--max_queue", type=int, default=256, help="requests waiting at most; then 503 at once")
     parser.add_argument("--timeout_s", type=float, default=30.0, help="a request not scored by then is answered 504")
     parser.add_argument("--max_body_bytes", type=int, default=16 << 20, help="a larger request body is answered 413")
@@ -601,8 +566,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="auto: the model folder's AOTInductor package (scorer.pt2) when this torch built it, "
                              "else its TorchScript (scorer.pt)")  # fmt: skip
     parser.add_argument("--num_threads", type=int, default=0,
-                        help="torch threads that score a batch, per worker (0: (cores - workers) / workers, leaving "
-                             "each worker's HTTP side a core; at least 1)")  # fmt: skip
+                        help="torch threads that score a batch, per worker (0: cores / workers, or with "
+                             "--max_delay_ms above 0 (cores - workers) / workers, leaving each worker's HTTP side a "
+                             "core; at least 1)")  # fmt: skip
     parser.add_argument("--grace_s", type=float, default=25.0,
                         help="on SIGTERM, how long queued and in-flight requests have to finish")  # fmt: skip
     parser.add_argument("--workers", type=int, default=1,
@@ -620,7 +586,7 @@ def _main(ns: argparse.Namespace) -> int:
     if ns.workers < 1:
         raise ConfigError("workers", f"must be >= 1, got {ns.workers}")
     if ns.num_threads < 0:
-        raise ConfigError("num_threads", f"must be >= 0 (0: the cores less one), got {ns.num_threads}")
+        raise ConfigError("num_threads", f"must be >= 0 (0: from the cores and --workers), got {ns.num_threads}")
     for flag in ("max_batch_size", "max_queue", "max_body_bytes", "max_request_rows"):
         if getattr(ns, flag) <= 0:
             raise ConfigError(flag, f"must be > 0, got {getattr(ns, flag)}")
