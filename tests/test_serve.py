@@ -425,8 +425,9 @@ def test_the_inference_endpoints_speak_http_as_uvicorn_does(events, served):
 
 def test_a_turn_of_requests_is_scored_together_and_the_queue_holds_max_queue(events):
     """--max_delay_ms 0 (the default): the requests submitted in one turn of the event loop are
-    scored together at its end, in batches of at most --max_batch_size rows, each answered with
-    its own rows' scores (as they score alone); past --max_queue, one more is refused."""
+    scored together after it, a batch of at most --max_batch_size rows a turn (the loop's I/O in
+    between), each answered with its own rows' scores (as they score alone); past --max_queue,
+    one more is refused."""
     import asyncio
 
     from torchrec_cloud.serving.batcher import TurnBatcher
@@ -444,6 +445,8 @@ def test_a_turn_of_requests_is_scored_together_and_the_queue_holds_max_queue(eve
         batcher = TurnBatcher(lambda: model, max_batch_size=2, max_queue=3, on_batch=batches.append)
         items = [batcher.submit(r, 1, lambda result, m, k=k: got.__setitem__(k, result)) for k, r in enumerate(requests)]
         assert not got and batcher.full()  # nothing scored before the turn ends
+        await asyncio.sleep(0)
+        assert batches == [2] and sorted(got) == [0, 1]  # one batch a turn
         await asyncio.sleep(0)
         return items
 

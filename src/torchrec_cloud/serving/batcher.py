@@ -9,9 +9,9 @@ in two kinds, one interface:
     batcher.close()                              # score what is queued at once, then stop
 
 :class:`TurnBatcher` (``--max_delay_ms 0``, the default) waits for nothing and has no thread:
-the requests that arrive in one turn of the server's event loop are scored together at the
-end of that turn, on the loop's own thread; what arrives while they are scored is the next
-turn's batch, so the batches grow with the load. :class:`Batcher` (``--max_delay_ms`` above
+the requests that arrive in one turn of the server's event loop are scored together after
+it, on the loop's own thread, a batch (at most ``max_batch_size`` rows) a turn; what arrives
+meanwhile joins the queue, so the batches grow with the load. :class:`Batcher` (``--max_delay_ms`` above
 0) scores on a thread of its own: a batch starts when its first request arrives and is scored
 once it holds ``max_batch_size`` rows or ``max_delay_s`` has passed since then (or at once
 while closing); each request's rows and answer then cross between two threads, which costs a
@@ -69,8 +69,8 @@ def score_batch(model: Any, batch: list[Item], on_batch: Callable[[int], None]) 
 
 
 class TurnBatcher:
-    """The batches of ``--max_delay_ms 0``: a turn of the event loop's requests, scored at its
-    end on the loop's thread (the module's docstring). ``submit`` is called on the loop; each
+    """The batches of ``--max_delay_ms 0``: a turn of the event loop's requests, scored after it
+    on the loop's thread (the module's docstring). ``submit`` is called on the loop; each
     ``done`` is called there too."""
 
     on_loop = True
@@ -93,12 +93,16 @@ class TurnBatcher:
         return item
 
     def score(self) -> None:
-        """Score what is queued, a batch of at most ``max_batch_size`` rows at a time."""
-        self._scheduled = False
-        while self._queue:
-            batch = take_batch(self._queue, self.max_batch_size)
-            if batch:
-                score_batch(self.model(), batch, self.on_batch)
+        """Score one batch of what is queued (at most ``max_batch_size`` rows); the rest in
+        the next turn, after the loop's I/O: the loop answers, reads and accepts between
+        batches, so a turn that queued many rows holds nothing up longer than one batch."""
+        batch = take_batch(self._queue, self.max_batch_size)
+        if self._queue:
+            asyncio.get_running_loop().call_soon(self.score)
+        else:
+            self._scheduled = False
+        if batch:
+            score_batch(self.model(), batch, self.on_batch)
 
     def cancel(self, item: Item) -> None:
         item.cancelled = True

@@ -124,6 +124,8 @@ class Call:
             early = self.inference.admit(self.name, self.declared)
         except Refused as e:
             return self.refuse(e)
+        except Exception as e:  # noqa: BLE001 - a fault of ours: one line, never a traceback to the client
+            return self.fail(e)
         if early is not None:
             return self.respond(*early)
         if self.expect_continue and not self.conn.transport.is_closing():
@@ -155,8 +157,7 @@ class Call:
             if self.item is None:
                 return self.respond(503, inference.queue_full, [(b"retry-after", b"1")])
             self.queued = True
-            if not inference.state.batcher.on_loop:  # scored at the end of this turn otherwise
-                self.timer = self.conn.loop.call_later(inference.state.ns.timeout_s, self.timed_out)
+            self.timer = self.conn.loop.call_later(inference.state.ns.timeout_s, self.timed_out)
         except Refused as e:
             self.refuse(e)
         except Exception as e:  # noqa: BLE001 - a fault of ours: one line, never a traceback to the client
@@ -196,7 +197,9 @@ class Call:
         self.response_complete = True
         conn, inference = self.conn, self.inference
         inference.gauges.flight(-1)
-        if not self.disconnected:
+        # uvicorn marks only the connection's latest request disconnected: an earlier pipelined
+        # one learns it from the transport.
+        if not self.disconnected and not conn.transport.is_closing():
             out = [STATUS_LINE[status]]
             for name, value in conn.server_state.default_headers:  # the date
                 out += [name, b": ", value, b"\r\n"]

@@ -67,7 +67,7 @@ class State:
         if ns.max_delay_ms > 0:
             self.batcher: Any = Batcher(lambda: self.model, ns.max_batch_size, ns.max_delay_ms / 1000, ns.max_queue,
                                         on_batch=metrics.batch_rows.observe)  # fmt: skip
-        else:  # a turn of the event loop's requests, scored at its end on the loop's thread
+        else:  # a turn of the event loop's requests, scored after it on the loop's thread
             self.batcher = TurnBatcher(lambda: self.model, ns.max_batch_size, ns.max_queue,
                                        on_batch=metrics.batch_rows.observe)  # fmt: skip
         self.gauges = LiveGauges(metrics, self.batcher.waiting)
@@ -556,7 +556,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--max_batch_size", type=int, default=256, help="rows scored together at most")
     parser.add_argument("--max_delay_ms", type=float, default=0.0,
                         help="how long the first request of a batch waits for others to join it (0: none; the "
-                             "requests of one turn of the event loop are scored together at its end)")  # fmt: skip
+                             "requests of one turn of the event loop are scored together after it)")  # fmt: skip
     parser.add_argument("--max_queue", type=int, default=256, help="requests waiting at most; then 503 at once")
     parser.add_argument("--timeout_s", type=float, default=30.0, help="a request not scored by then is answered 504")
     parser.add_argument("--max_body_bytes", type=int, default=16 << 20, help="a larger request body is answered 413")
