@@ -110,10 +110,8 @@ class TurnBatcher:
     def full(self) -> bool:
         return len(self._queue) >= self.max_queue
 
-    def waiting(self) -> int:
+    def depth(self) -> int:
         return len(self._queue)
-
-    depth = waiting
 
     def close(self) -> None:
         """Nothing waits longer than its turn: nothing to hurry."""
@@ -129,12 +127,10 @@ class Batcher:
     on_loop = False
 
     def __init__(self, model: Callable[[], Any], max_batch_size: int, max_delay_s: float, max_queue: int,
-                 on_batch: Optional[Callable[[int], None]] = None,
-                 on_depth: Optional[Callable[[int], None]] = None) -> None:  # fmt: skip
+                 on_batch: Optional[Callable[[int], None]] = None) -> None:  # fmt: skip
         self.model = model
         self.max_batch_size, self.max_delay_s, self.max_queue = max_batch_size, max_delay_s, max_queue
         self.on_batch = on_batch or (lambda rows: None)
-        self.on_depth = on_depth or (lambda depth: None)
         self._queue: deque[Item] = deque()
         self._cv = threading.Condition()
         self._closing = False
@@ -147,7 +143,6 @@ class Batcher:
                 return None
             item = Item(table, rows, done)
             self._queue.append(item)
-            self.on_depth(len(self._queue))
             self._cv.notify()
             return item
 
@@ -158,21 +153,16 @@ class Batcher:
             try:
                 self._queue.remove(item)
             except ValueError:  # taken into a batch already: scored, its answer dropped
-                return
-            self.on_depth(len(self._queue))
+                pass
 
     def full(self) -> bool:
         """Whether a request submitted now would be refused (read without the lock: a request
         that passes here can still find the queue full at :meth:`submit`)."""
         return len(self._queue) >= self.max_queue
 
-    def waiting(self) -> int:
-        """The requests waiting, read without the lock (a length is read whole)."""
-        return len(self._queue)
-
     def depth(self) -> int:
-        with self._cv:
-            return len(self._queue)
+        """The requests waiting (a length is read whole: no lock)."""
+        return len(self._queue)
 
     def close(self) -> None:
         """Stop waiting for batches to fill: what is queued (and what still comes) is scored at once."""
@@ -202,7 +192,6 @@ class Batcher:
                 else:
                     self._cv.wait()
             batch = take_batch(self._queue, self.max_batch_size)
-            self.on_depth(len(self._queue))
             return batch
 
     def run(self) -> None:

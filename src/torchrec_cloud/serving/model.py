@@ -342,13 +342,13 @@ class _CriteoRows:
         modulo the tables), field by field: for a few rows (up to :data:`_FEW_LINES`),
         ``parse_block``'s fixed cost (tens of array operations a call) is most of its time.
         tests/test_serve.py checks that the two read the same records."""
+        from torchrec_cloud.data.criteo_format import INT32_MAX
+
         dense, ids = [], []
         for line in lines:
             fields = line.split("\t")
             dense.append([int(x) if x else 0 for x in fields[:13]])
             ids.append([int(x, 16) if x else 0 for x in fields[13:]])
-        from torchrec_cloud.data.criteo_format import INT32_MAX
-
         values = np.array(dense, np.int64)
         if (np.abs(values) > INT32_MAX).any():  # the caller converts each request alone, to name it
             raise RequestError("an integer field is outside the int32 range")

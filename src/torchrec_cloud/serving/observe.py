@@ -57,8 +57,8 @@ class LiveGauges:
     request admitted or answered, queued, or given up (what the batcher takes from the queue
     is answered on the loop after it)."""
 
-    def __init__(self, metrics: Metrics, waiting: Any) -> None:
-        self.metrics, self.waiting = metrics, waiting
+    def __init__(self, metrics: Metrics, depth: Any) -> None:
+        self.metrics, self.depth = metrics, depth
         self.in_flight = 0
         self._scheduled = False
 
@@ -74,7 +74,7 @@ class LiveGauges:
     def publish(self) -> None:
         self._scheduled = False
         self.metrics.in_flight.set(self.in_flight)
-        self.metrics.queue_depth.set(self.waiting())
+        self.metrics.queue_depth.set(self.depth())
 
 
 class Access:

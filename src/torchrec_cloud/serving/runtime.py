@@ -323,8 +323,7 @@ def _mapped_files() -> Optional[dict[tuple[str, str], str]]:
 def _aoti_root() -> str:
     """The folder torch's loader makes its folders in (c10/util/tempfile.cpp), as the kernel
     names it in the mappings."""
-    root = next((os.environ[v] for v in ("TMPDIR", "TMP", "TEMP", "TEMPDIR") if v in os.environ), "/tmp")
-    return os.path.realpath(os.path.dirname(f"{root}/{_AOTI_PREFIX}"))
+    return os.path.realpath(next((os.environ[v] for v in ("TMPDIR", "TMP", "TEMP", "TEMPDIR") if v in os.environ), "/tmp"))
 
 
 def _remove_extracted(after: dict[tuple[str, str], str], before: dict[tuple[str, str], str],

@@ -70,7 +70,7 @@ class State:
         else:  # a turn of the event loop's requests, scored after it on the loop's thread
             self.batcher = TurnBatcher(lambda: self.model, ns.max_batch_size, ns.max_queue,
                                        on_batch=metrics.batch_rows.observe)  # fmt: skip
-        self.gauges = LiveGauges(metrics, self.batcher.waiting)
+        self.gauges = LiveGauges(metrics, self.batcher.depth)
 
     @property
     def ready(self) -> bool:
@@ -214,7 +214,7 @@ class Inference:
         ns = state.ns
         self.queue_full = _error_body(f"the queue is full ({ns.max_queue} requests, --max_queue): retry")
         self.not_loaded = _error_body(f"model {state.name} is not loaded yet")
-        self.metrics, self.access, self.gauges = state.metrics, state.access, state.gauges
+        self.access, self.gauges = state.access, state.gauges
         self.answers = Answers()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
