@@ -81,6 +81,29 @@ def test_pt2_scores_one_row_and_empty_bags_as_torchrec_and_torchscript(work):
     torch.testing.assert_close(pt2.logits_of_bags(dense, values.int(), lengths.int()), scripted.logits_of_bags(dense, values, lengths))
 
 
+def test_the_packages_pooling_sums_and_averages_bags_as_torchscripts_does():
+    """The pt2 program pools bags with embedding_bag (Tables.bag_op; AOTInductor compiles the
+    TorchScript module's index_add_ to atomic adds): the same pooled embeddings, sum and mean
+    tables, empty bags, one to three ids a bag; quantized tables keep the one way."""
+    from torchrec_cloud.serving.scorer import Tables
+
+    g = torch.Generator().manual_seed(3)
+    tables = [torch.randn(n, 8, generator=g) for n in (5, 9, 3)]
+    for quantize in ("none", "fp16", "int8"):
+        module = Tables(tables, quantize, mean=[False, True, False])
+        for b in (1, 4):
+            lengths = torch.randint(0, 4, (3 * b,), generator=g)
+            lengths[0] = 0  # an empty bag in a mean table too
+            lengths[b] = 0
+            per_table = lengths.view(3, b).sum(dim=1).tolist()
+            values = torch.cat([torch.randint(0, t.shape[0], (int(k),), generator=g) for t, k in zip(tables, per_table)])
+            module.bag_op = False
+            expected = module(values, lengths, b)
+            module.bag_op = True
+            torch.testing.assert_close(module(values, lengths, b), expected, rtol=1e-6, atol=1e-6)
+            assert expected.shape == (b, 3, 8) and not expected[0, 0].any() and not expected[0, 1].any()
+
+
 @pytest.fixture
 def fresh_tmpdir(tmp_path, monkeypatch) -> Path:
     """A temporary directory of the test's own, for torch's C++ (which reads $TMPDIR) and for

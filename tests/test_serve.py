@@ -437,7 +437,7 @@ def test_a_turn_of_requests_is_scored_together_and_the_queue_holds_max_queue(eve
     model = ServedModel(str(events / "model"))
     model.load()
     rows = v1_rows(pq.read_table(events / "events" / "day_2.parquet").slice(0, 4))
-    requests = [decode_v1(json.dumps({"instances": [r]}).encode(), model.columns, 10, model.lines)[1] for r in rows]
+    requests = [decode_v1(json.dumps({"instances": [r]}).encode(), model.columns, 10, model.plain)[1] for r in rows]
     alone = [model.predict([r])[0][0] for r in requests]
     batches, got = [], {}
 
@@ -457,39 +457,68 @@ def test_a_turn_of_requests_is_scored_together_and_the_queue_holds_max_queue(eve
 
 
 def test_criteo_rows_in_their_plain_form_convert_as_the_general_way_converts_them(criteo):
-    """A Criteo model's v1 rows in their plain form become TSV lines on the event loop
-    (ServedModel.lines), and a few such lines are parsed field by field, not by parse_block:
-    both give the records, ids and the dense transform's shifts the general way gives (each
-    column checked, the lines parsed by parse_block), on edge values: int32's ends, signs, leading
-    zeros, missing fields, 15 hexadecimal digits in both cases; and values not in the plain form
-    (a float, a boolean, an integer id) are left to the general way, which names them."""
-    from torchrec_cloud.serving.model import CriteoLines, ServedModel
+    """A Criteo model's v1 rows in their plain form are read field by field on the event loop
+    (ServedModel.plain) to the records, ids and dense transform's shifts that the general way
+    gives (each column checked, the rows written as TSV lines and parsed by parse_block, as
+    predict reads a file), on edge values: int32's ends, signs, leading zeros, integers as
+    text, missing fields, 15 hexadecimal digits in both cases, and batches of ids all 8 digits
+    wide (Criteo's, read at once) or not; and values not in the plain form
+    (a float, a boolean, an integer id, text that is no integer, an integer past int32, a
+    missing column) are left to the general way, which names them or scores them as it does."""
+    import numpy as np
+
+    from torchrec_cloud.serving.model import CriteoRecords, ServedModel
     from torchrec_cloud.serving.requests import rows_v1
 
     model = ServedModel(str(criteo / "model"))
-    ints = [None, 0, -1, 2147483647, -2147483647, "007", "", "12", 5, 65535, 3, 1, 0]
+    ints = [None, 0, -1, 2147483647, -2147483647, "007", "", "12", 5, 65535, "-3", 1, "0"]
     cats = [None, "", "0", "f" * 15, "ABCDEF", "a1", "7fffffffffffffF", *["%x" % (k * 7919) for k in range(19)]]
     rows = []
     for k in range(5):  # rotated, so that each value meets several columns
         row = {f"int_{i}": ints[(i + k) % 13] for i in range(13)}
         row.update({f"cat_{i}": cats[(i + k) % 26] for i in range(26)})
         rows.append(row)
+    # Criteo's own width: every id 8 digits (a missing one too), which a batch reads at once
+    wide = [dict(row, **{f"cat_{i}": "%08x" % ((i + k + 1) * 2654435761 % 2**32) for i in range(26)}) for k, row in enumerate(rows)]
+    wide[0].update(cat_3=None, cat_5="", cat_7="ABCDEF01", cat_8="00000000", cat_9="ffffffff")
     converter = model.converter
-    for requests in ([rows[:2], rows[2:]], [rows[:1], rows[1:2], rows[2:5]]):
-        plain = [model.lines(r) for r in requests]
-        assert all(isinstance(p, CriteoLines) for p in plain)
-        general = [rows_v1({"instances": r}, model.columns, 10) for r in requests]
+    for requests in ([rows[:2], rows[2:]], [rows[:1], rows[1:2], rows[2:5]], [rows * 4], [wide[:2], wide[2:]],
+                     [wide, rows[:1]]):  # fmt: skip
+        plain = [model.plain(r) for r in requests]
+        assert all(isinstance(p, CriteoRecords) for p in plain)
+        general = [rows_v1({"instances": r}, model.columns, 100) for r in requests]
+        assert not any(isinstance(g, CriteoRecords) for g in general)
         sizes = [len(r) for r in requests]
-        few, shift_few = converter.convert_values(plain, sizes)  # field by field (5 lines)
-        lines = [line for p in plain for line in p.lines]
-        block, shift_block = converter._records("".join("0\t" + line + "\n" for line in lines).encode(), sizes)
+        records, shift = converter.convert_values(plain, sizes)
         checked, shift_checked = converter.convert_values(general, sizes)  # parse_block, after each column's check
-        for records in (block, checked):
-            assert (few == records).all() and (shift_few == shift_checked).all() and (shift_block == shift_checked).all()
-    for value in (1.5, True):
-        assert model.lines([dict(rows[0], int_3=value)]) is None
-    assert model.lines([dict(rows[0], cat_3=17)]) is None
-    assert model.lines([{k: v for k, v in rows[0].items() if k != "cat_9"}]) is None
+        alone = [converter.convert(p.table(), [n]) for p, n in zip(plain, sizes)]  # how a failing request is named
+        assert (records == checked).all() and (shift == shift_checked).all()
+        assert (np.concatenate([a[0] for a in alone]) == records).all()
+    for field, value in (("int_3", 1.5), ("int_3", True), ("int_3", "1e3"), ("int_3", " 12"), ("int_3", 2147483648),
+                         ("int_3", -2147483648), ("cat_3", 17), ("cat_3", "0x1f"), ("cat_3", "1" * 16), ("cat_3", "a\tb"),
+                         ("cat_3", ["a1"])):  # fmt: skip
+        assert model.plain([dict(rows[0], **{field: value})]) is None, (field, value)
+    assert model.plain([{k: v for k, v in rows[0].items() if k != "cat_9"}]) is None
+
+
+def test_a_v1_answer_is_the_json_of_its_probabilities_and_a_nan_is_never_written():
+    """A v1 answer (orjson writes it where installed) reads back as the probabilities json
+    would write; a probability that is not a number is refused (json raises, the request is
+    answered 500), never written as null as orjson would."""
+    import math
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from torchrec_cloud.serving.server import Inference
+
+    model = SimpleNamespace(version="v1")
+    scores = np.array([0.1, 1e-05, 0.999999999, 2.5e-300, 1.0, 0.0])
+    status, body, headers = Inference.scored(None, "v1", {}, scores, model, {})
+    assert status == 200 and json.loads(body) == {"predictions": scores.tolist()}
+    for bad in (math.nan, math.inf):
+        with pytest.raises(ValueError):
+            Inference.scored(None, "v1", {}, np.array([0.5, bad]), model, {})
 
 
 def headers_only_answer(port: int, request: bytes) -> str:

@@ -253,6 +253,7 @@ def pt2_package(scorer: Scorer, cfg: ModelConfig, device: str) -> bytes:
     from torch.export import export as torch_export
 
     program = BagLogits(copy.deepcopy(scorer)).to(device).eval()  # the TorchRec model stays on the CPU
+    program.scorer.tables.bag_op = True  # pooled by aten's embedding_bag (Tables.forward says why)
     b, f = 4, cfg.num_sparse_features
     dense = torch.rand(b, cfg.num_dense_features, device=device)
     lengths = torch.arange(f * b, device=device) % 3  # 0, 1 and 2 ids a bag

@@ -27,6 +27,7 @@ the file scored; here the file is the request, so ``m`` is the request's smalles
 
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
@@ -119,21 +120,23 @@ class ValueRows:
         return pa.table(arrays)
 
 
-class CriteoLines(ValueRows):
-    """A request's Criteo rows as the TSV lines ``predict --input`` reads (label left out),
-    each checked by its columns' patterns when it was made (:meth:`_CriteoRows.lines`): a
-    batch of them is joined and parsed, with no per-column work in between."""
+class CriteoRecords(ValueRows):
+    """A request's Criteo rows in their plain form (:meth:`_CriteoRows.plain`), checked and
+    half read as ``predict --input`` reads the same fields from a TSV line: per row 13
+    integers (a missing one 0) and its 26 hexadecimal ids as one tab-separated line (a missing
+    one 0), read for a whole batch at once; a batch of them becomes the shards' records with
+    no per-column work in between."""
 
-    FORMS = ("criteo-lines",)
+    FORMS = ("criteo-records",)
 
-    def __init__(self, columns: Sequence[Column], lines: list[str]) -> None:
-        self.columns, self.lines, self.num_rows, self.where = columns, lines, len(lines), "column"
-        self.forms = self.FORMS
+    def __init__(self, columns: Sequence[Column], rows: list, dense: list, ids: list) -> None:
+        self.columns, self.rows, self.dense, self.ids = columns, rows, dense, ids
+        self.num_rows, self.where, self.forms = len(rows), "column", self.FORMS
 
     def table(self) -> pa.Table:
-        """The rows as text columns (to convert one request alone, naming a field that fails)."""
-        fields = [line.split("\t") for line in self.lines]
-        return pa.table({c.name: pa.array([f[k] or None for f in fields], pa.string()) for k, c in enumerate(self.columns)})
+        """The rows as text columns (to convert one request alone the general way)."""
+        return pa.table({c.name: pa.array([None if r[c.name] is None else str(r[c.name]) for r in self.rows], pa.string())
+                         for c in self.columns})  # fmt: skip
 
 
 class ServedModel:
@@ -155,7 +158,7 @@ class ServedModel:
         self.columns: list[Column] = self.converter.columns
         # v1 rows straight to what the converter takes, or None where they are not in its plain
         # form (the protocol then checks them column by column and names what is wrong).
-        self.lines: Optional[Any] = getattr(self.converter, "lines", None)
+        self.plain: Optional[Any] = getattr(self.converter, "plain", None)
         self.scorer: Any = None
 
     def load(self) -> None:
@@ -288,10 +291,22 @@ _DECIMAL = r"^-?[0-9]{1,10}$"
 _HEX = r"^[0-9a-fA-F]{1,15}$"
 # A Criteo row's fields (its label left out) as one TSV line, when each field passes its
 # column's check above (or is empty): 13 integers, then 26 hexadecimal ids.
-# Up to this many lines, parsing field by field in Python costs less than parse_block's
-# array operations (bench/RESULTS.md, 2026-11-29).
-_FEW_LINES = 16
 _LINE = re.compile(r"(?:-?[0-9]{1,10})?(?:\t(?:-?[0-9]{1,10})?){12}(?:\t[0-9a-fA-F]{0,15}){26}")
+# The plain form's checks of the same fields: an integer given as text; the 26 ids joined by
+# tabs, a missing one written 00000000 (0 in Criteo's width, see _hex_ids).
+_DECIMAL_TEXT = re.compile(r"-?[0-9]{1,10}")
+_IDS_LINE = re.compile(r"[0-9a-fA-F]{1,15}(?:\t[0-9a-fA-F]{1,15}){25}")
+_HEX_BASE = (16,) * 26
+_IDS_LINE_OF_8 = 26 * 8 + 25  # the length of a line of 26 ids of 8 digits each, Criteo's own width
+
+
+def _hex_ids(lines: list[str]) -> np.ndarray:
+    """``[len(lines), 26]`` int64: the ids of lines that passed :data:`_IDS_LINE`. Where every
+    id has 8 digits (Criteo's), the lines are read at once (``bytes.fromhex`` skips the tabs),
+    else id by id."""
+    if all(len(line) == _IDS_LINE_OF_8 for line in lines):
+        return np.frombuffer(bytes.fromhex("".join(lines)), ">u4").reshape(len(lines), 26).astype(np.int64)
+    return np.array([list(map(int, line.split("\t"), _HEX_BASE)) for line in lines], np.int64)
 
 
 class _CriteoRows:
@@ -307,7 +322,7 @@ class _CriteoRows:
                              dense_transform=cfg.data.dense_transform, multi_hot_sizes=cfg.data.multi_hot_sizes,
                              multi_hot_pooling=cfg.data.multi_hot_pooling, seed=cfg.data.seed)  # fmt: skip
         self.columns = [Column(n, CRITEO_INT) for n in DENSE_NAMES] + [Column(n, CRITEO_HEX) for n in SPARSE_NAMES]
-        self.int_names, self.cat_names = list(DENSE_NAMES), list(SPARSE_NAMES)
+        self._ints_of, self._cats_of = operator.itemgetter(*DENSE_NAMES), operator.itemgetter(*SPARSE_NAMES)
 
     def convert(self, table: pa.Table, sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """``table``: the rows of requests of ``sizes`` rows each, stacked; each request is a file
@@ -336,27 +351,6 @@ class _CriteoRows:
             raise RequestError(f"row {first}: {parsed.reasons.get(first, 'malformed row')}")
         return self._shifted(parsed.records, sizes)
 
-    def _line_records(self, lines: list[str], sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Lines that passed :data:`_LINE` as ``parse_block`` reads them (an empty field is 0; an
-        integer must be within int32 (either sign's largest: -(2**31 - 1) at least); ids taken
-        modulo the tables), field by field: for a few rows (up to :data:`_FEW_LINES`),
-        ``parse_block``'s fixed cost (tens of array operations a call) is most of its time.
-        tests/test_serve.py checks that the two read the same records."""
-        from torchrec_cloud.data.criteo_format import INT32_MAX
-
-        dense, ids = [], []
-        for line in lines:
-            fields = line.split("\t")
-            dense.append([int(x) if x else 0 for x in fields[:13]])
-            ids.append([int(x, 16) if x else 0 for x in fields[13:]])
-        values = np.array(dense, np.int64)
-        if (np.abs(values) > INT32_MAX).any():  # the caller converts each request alone, to name it
-            raise RequestError("an integer field is outside the int32 range")
-        records = np.zeros(len(lines), self.tsv.dtype)
-        records["dense"] = values
-        records["sparse"] = np.array(ids, np.int64) % self.tsv.table_sizes
-        return self._shifted(records, sizes)
-
     def _shifted(self, records: np.ndarray, sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """The records and, per row, its request's shift of the ``torchrec`` dense transform."""
         if self.tsv.dense_transform == "log1p" or not len(records):
@@ -365,34 +359,52 @@ class _CriteoRows:
         smallest = np.minimum.reduceat(records["dense"].min(axis=1), starts).astype(np.int64)
         return records, np.repeat(smallest - 2, sizes)
 
-    def lines(self, rows: list) -> Optional[CriteoLines]:
-        """v1 rows (JSON objects) as TSV lines, when every field is in its plain form (int_*: an
-        integer, text, null; cat_*: text or null) and the lines pass :data:`_LINE`: what
-        :meth:`convert_values` writes of the same values. None otherwise (a missing column, a
-        value of another type or form): the caller then checks them column by column."""
-        ints, cats = self.int_names, self.cat_names
-        lines = []
+    def plain(self, rows: list) -> Optional[CriteoRecords]:
+        """v1 rows (JSON objects) read as ``predict`` reads the same fields of a TSV line, when
+        every field is in its plain form (int_*: an integer within int32, integer text, null;
+        cat_*: hexadecimal text of at most 15 digits, empty or null). None otherwise (a missing
+        column, a value of another type or form, an integer out of range): the caller then
+        checks them column by column, which names the fault."""
+        from torchrec_cloud.data.criteo_format import INT32_MAX
+
+        ints_of, cats_of = self._ints_of, self._cats_of
+        dense, ids = [], []
         try:
             for row in rows:
-                # str() of anything but an integer or text (a number, a boolean, a list) fails
-                # _LINE's integer pattern; joining the ids raises TypeError on anything but text.
-                dense = "\t".join(["" if v is None else str(v) for v in [row[n] for n in ints]])
-                lines.append(dense + "\t" + "\t".join(["" if v is None else v for v in [row[n] for n in cats]]))
+                values = ints_of(row)
+                if None in values:
+                    values = [0 if v is None else v for v in values]
+                kinds = set(map(type, values))
+                if kinds != {int}:
+                    if not kinds <= {int, str}:  # a float, a boolean, a list: the general way
+                        return None
+                    values = [v if v.__class__ is int else int(v) if _DECIMAL_TEXT.fullmatch(v) else 0 if v == "" else None
+                              for v in values]  # fmt: skip
+                    if None in values:
+                        return None
+                if min(values) < -INT32_MAX or max(values) > INT32_MAX:
+                    return None
+                cats = cats_of(row)
+                if None in cats or "" in cats:  # 0, in Criteo's usual width (see convert_values)
+                    cats = ["00000000" if v is None or v == "" else v for v in cats]
+                line = "\t".join(cats)  # joining raises TypeError on anything but text
+                if not _IDS_LINE.fullmatch(line):
+                    return None
+                dense.append(values)
+                ids.append(line)
         except (KeyError, TypeError):
             return None
-        if not all(map(_LINE.fullmatch, lines)):
-            return None
-        return CriteoLines(self.columns, lines)
+        return CriteoRecords(self.columns, rows, dense, ids)
 
     def convert_values(self, requests: Sequence[ValueRows], sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """As :meth:`convert`, from the requests' values: the same TSV lines, written without
         arrow (a row per line, fields as text); a field that fails its check is a
         RequestError that does not say which (the caller converts each request alone for that)."""
-        if isinstance(requests[0], CriteoLines):  # a group has one form: all of them are
-            lines = [line for r in requests for line in r.lines]
-            if len(lines) <= _FEW_LINES:
-                return self._line_records(lines, sizes)
-            return self._records("".join(["0\t" + line + "\n" for line in lines]).encode(), sizes)
+        if isinstance(requests[0], CriteoRecords):  # a group has one form: all of them are
+            records = np.zeros(sum(sizes), self.tsv.dtype)
+            records["dense"] = [d for r in requests for d in r.dense]
+            records["sparse"] = _hex_ids([line for r in requests for line in r.ids]) % self.tsv.table_sizes
+            return self._shifted(records, sizes)
         names = [c.name for c in self.columns]
         lines = []
         for r in requests:  # most hold one row: row by row, not column by column

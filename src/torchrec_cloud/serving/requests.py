@@ -92,9 +92,9 @@ try:  # the serve extra installs it; json alone answers the same
 except ImportError:  # pragma: no cover - depends on what is installed
     _orjson_loads = None
 
-Lines = Optional[Callable[[list], Optional[ValueRows]]]
+Plain = Optional[Callable[[list], Optional[ValueRows]]]
 """A model's v1 rows in their plain form straight to what it converts, else None
-(:attr:`~torchrec_cloud.serving.model.ServedModel.lines`)."""
+(:attr:`~torchrec_cloud.serving.model.ServedModel.plain`)."""
 
 
 def decode(body: bytes) -> Any:
@@ -104,29 +104,29 @@ def decode(body: bytes) -> Any:
         raise Refused(400, f"the body is not JSON ({str(e)[:120]})") from None
 
 
-def decode_v1(body: bytes, columns: list[Column], max_rows: int, lines: Lines = None) -> tuple[Any, ValueRows]:
-    """A v1 body: its JSON and its rows. Rows in the model's plain form (``lines`` takes them)
+def decode_v1(body: bytes, columns: list[Column], max_rows: int, plain_form: Plain = None) -> tuple[Any, ValueRows]:
+    """A v1 body: its JSON and its rows. Rows in the model's plain form (``plain_form`` takes them)
     are decoded by orjson where it is installed; anything else, or anything orjson refuses, by
     json and :func:`rows_v1`, which answers it. So orjson never decides an answer: where it
     reads a value otherwise (an integer past 64 bits becomes a float), the plain form fails."""
-    if lines is not None and _orjson_loads is not None:
+    if plain_form is not None and _orjson_loads is not None:
         try:
             payload = _orjson_loads(body)
         except ValueError:  # orjson.JSONDecodeError
             payload = None
         rows = payload.get("instances") if isinstance(payload, dict) else None
         if isinstance(rows, list) and 0 < len(rows) <= max_rows and all(r.__class__ is dict for r in rows):
-            plain = lines(rows)
+            plain = plain_form(rows)
             if plain is not None:
                 return payload, plain
-        lines = None  # not plain: json's values go the general way
+        plain_form = None  # not plain: json's values go the general way
     payload = decode(body)
-    return payload, rows_v1(payload, columns, max_rows, lines)
+    return payload, rows_v1(payload, columns, max_rows, plain_form)
 
 
-def rows_v1(payload: Any, columns: list[Column], max_rows: int, lines: Lines = None) -> ValueRows:
+def rows_v1(payload: Any, columns: list[Column], max_rows: int, plain_form: Plain = None) -> ValueRows:
     """``{"instances": [{column: value, ...}, ...]}`` as the model's columns' values (as
-    ``lines`` takes them when it does)."""
+    ``plain_form`` takes them when it does)."""
     if not isinstance(payload, dict) or not isinstance(payload.get("instances"), list):
         raise Refused(400, 'expected {"instances": [row, ...]} with one JSON object per row')
     rows = payload["instances"]
@@ -134,7 +134,7 @@ def rows_v1(payload: Any, columns: list[Column], max_rows: int, lines: Lines = N
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise Refused(400, f"instances[{i}] is {_type(row)}, not an object of the schema's columns")
-    plain = None if lines is None else lines(rows)
+    plain = None if plain_form is None else plain_form(rows)
     if plain is not None:
         return plain
     values, forms = {}, {}

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 QUANTIZE = ("none", "fp16", "int8")
@@ -43,6 +44,7 @@ class Tables(nn.Module):
         whole = torch.cat([t.detach().float() for t in tables])
         sizes = torch.tensor([t.shape[0] for t in tables], dtype=torch.int64)
         self.quantize = quantize
+        self.bag_op = False  # export sets it for the pt2 program: see forward
         self.num_features = len(tables)
         self.dim = int(whole.shape[1])
         self.register_buffer("row_offsets", torch.cumsum(sizes, 0) - sizes)
@@ -79,8 +81,14 @@ class Tables(nn.Module):
         # example batch's bounds into a runtime assertion (a batch of 1, or of empty bags, failed).
         bag = torch.repeat_interleave(torch.arange(bags, device=values.device), lengths.long(), output_size=values.shape[0])
         index = values.long() + self.row_offsets[torch.div(bag, batch_size, rounding_mode="floor")]
-        pooled = torch.zeros(bags, self.dim, device=values.device)
-        pooled.index_add_(0, bag, self.rows(index))
+        if self.bag_op and self.quantize == "none":
+            # The pt2 program: AOTInductor compiles index_add_ to an atomic add per id and
+            # dimension ; embedding_bag stays aten's own kernel, which sums each bag in place.
+            offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=values.device), torch.cumsum(lengths.long(), 0)])
+            pooled = F.embedding_bag(index, self.weight, offsets, mode="sum", include_last_offset=True)
+        else:
+            pooled = torch.zeros(bags, self.dim, device=values.device)
+            pooled.index_add_(0, bag, self.rows(index))
         if self.any_mean:
             per_bag = self.mean_pooled.repeat_interleave(batch_size)
             divisor = torch.where(per_bag, lengths.clamp(min=1).to(pooled.dtype), torch.ones_like(per_bag, dtype=pooled.dtype))

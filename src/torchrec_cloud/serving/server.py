@@ -297,7 +297,7 @@ class Inference:
         ns, model = self.state.ns, self.state.model
         columns = model.columns  # the same for every version (a swap checks it)
         if protocol == "v1":
-            payload, rows = decode_v1(body, columns, ns.max_request_rows, model.lines)
+            payload, rows = decode_v1(body, columns, ns.max_request_rows, model.plain)
         else:
             payload = decode(body)
             rows = rows_v2(payload, columns, ns.max_request_rows)
@@ -331,6 +331,8 @@ class Inference:
         probabilities = result.tolist()
         headers = [(b"x-model-version", version_header(model.version))]
         if protocol == "v1":
+            if _orjson_dumps is not None and math.isfinite(math.fsum(probabilities)):  # json: NaN is refused, orjson writes null
+                return 200, _orjson_dumps({"predictions": probabilities}), headers
             return 200, _json({"predictions": probabilities}), headers
         out = {"model_name": self.state.name, "model_version": model.version,
                "outputs": [{"name": "probability", "shape": [len(probabilities)], "datatype": "FP64", "data": probabilities}]}  # fmt: skip
@@ -394,6 +396,12 @@ async def read_body(receive: Any, cap: int) -> bytes:
         chunks.append(chunk)
         more = message.get("more_body", False)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+try:  # the serve extra installs it; json writes the same answers
+    from orjson import dumps as _orjson_dumps
+except ImportError:  # pragma: no cover - depends on what is installed
+    _orjson_dumps = None
 
 
 def _json(value: Any) -> bytes:
