@@ -481,9 +481,10 @@ def test_criteo_rows_in_their_plain_form_convert_as_the_general_way_converts_the
     # Criteo's own width: every id 8 digits (a missing one too), which a batch reads at once
     wide = [dict(row, **{f"cat_{i}": "%08x" % ((i + k + 1) * 2654435761 % 2**32) for i in range(26)}) for k, row in enumerate(rows)]
     wide[0].update(cat_3=None, cat_5="", cat_7="ABCDEF01", cat_8="00000000", cat_9="ffffffff")
+    wide[4].update(cat_1="abcdef", cat_2="0123456789")  # a line of Criteo's length, its ids of other widths
     converter = model.converter
-    for requests in ([rows[:2], rows[2:]], [rows[:1], rows[1:2], rows[2:5]], [rows * 4], [wide[:2], wide[2:]],
-                     [wide, rows[:1]]):  # fmt: skip
+    for requests in ([rows[:2], rows[2:]], [rows[:1], rows[1:2], rows[2:5]], [rows * 4], [wide[:2], wide[2:4]],
+                     [wide, rows[:1]], [wide[4:]]):  # fmt: skip
         plain = [model.plain(r) for r in requests]
         assert all(isinstance(p, CriteoRecords) for p in plain)
         general = [rows_v1({"instances": r}, model.columns, 100) for r in requests]

@@ -298,13 +298,15 @@ _DECIMAL_TEXT = re.compile(r"-?[0-9]{1,10}")
 _IDS_LINE = re.compile(r"[0-9a-fA-F]{1,15}(?:\t[0-9a-fA-F]{1,15}){25}")
 _HEX_BASE = (16,) * 26
 _IDS_LINE_OF_8 = 26 * 8 + 25  # the length of a line of 26 ids of 8 digits each, Criteo's own width
+_TABS_OF_8 = "\t" * 25
 
 
 def _hex_ids(lines: list[str]) -> np.ndarray:
     """``[len(lines), 26]`` int64: the ids of lines that passed :data:`_IDS_LINE`. Where every
     id has 8 digits (Criteo's), the lines are read at once (``bytes.fromhex`` skips the tabs),
-    else id by id."""
-    if all(len(line) == _IDS_LINE_OF_8 for line in lines):
+    else id by id. A line's length alone does not say so (ids of 6 and 10 digits fill it too,
+    and would be read across): its 25 tabs must stand every 9th character."""
+    if all(len(line) == _IDS_LINE_OF_8 and line[8::9] == _TABS_OF_8 for line in lines):
         return np.frombuffer(bytes.fromhex("".join(lines)), ">u4").reshape(len(lines), 26).astype(np.int64)
     return np.array([list(map(int, line.split("\t"), _HEX_BASE)) for line in lines], np.int64)
 
