@@ -317,7 +317,7 @@ class _CriteoRows:
     conversion to a batch, as ``predict --input FILE.tsv`` reads a file of the same rows."""
 
     def __init__(self, cfg: Any) -> None:
-        from torchrec_cloud.data.criteo_format import DENSE_NAMES, SPARSE_NAMES
+        from torchrec_cloud.data.criteo_format import DENSE_NAMES, INT32_MAX, SPARSE_NAMES
         from torchrec_cloud.data.criteo_reader import CriteoTSV
 
         self.tsv = CriteoTSV("the request", batch_size=1, table_sizes=cfg.model.table_sizes,
@@ -325,6 +325,7 @@ class _CriteoRows:
                              multi_hot_pooling=cfg.data.multi_hot_pooling, seed=cfg.data.seed)  # fmt: skip
         self.columns = [Column(n, CRITEO_INT) for n in DENSE_NAMES] + [Column(n, CRITEO_HEX) for n in SPARSE_NAMES]
         self._ints_of, self._cats_of = operator.itemgetter(*DENSE_NAMES), operator.itemgetter(*SPARSE_NAMES)
+        self._int32_max = INT32_MAX  # read here, not at every request (plain)
 
     def convert(self, table: pa.Table, sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """``table``: the rows of requests of ``sizes`` rows each, stacked; each request is a file
@@ -367,9 +368,7 @@ class _CriteoRows:
         cat_*: hexadecimal text of at most 15 digits, empty or null). None otherwise (a missing
         column, a value of another type or form, an integer out of range): the caller then
         checks them column by column, which names the fault."""
-        from torchrec_cloud.data.criteo_format import INT32_MAX
-
-        ints_of, cats_of = self._ints_of, self._cats_of
+        ints_of, cats_of, int32_max = self._ints_of, self._cats_of, self._int32_max
         dense, ids = [], []
         try:
             for row in rows:
@@ -384,10 +383,10 @@ class _CriteoRows:
                               for v in values]  # fmt: skip
                     if None in values:
                         return None
-                if min(values) < -INT32_MAX or max(values) > INT32_MAX:
+                if min(values) < -int32_max or max(values) > int32_max:
                     return None
                 cats = cats_of(row)
-                if None in cats or "" in cats:  # 0, in Criteo's usual width (see convert_values)
+                if None in cats or "" in cats:  # 0, in Criteo's usual width (see _hex_ids)
                     cats = ["00000000" if v is None or v == "" else v for v in cats]
                 line = "\t".join(cats)  # joining raises TypeError on anything but text
                 if not _IDS_LINE.fullmatch(line):
@@ -399,8 +398,9 @@ class _CriteoRows:
         return CriteoRecords(self.columns, rows, dense, ids)
 
     def convert_values(self, requests: Sequence[ValueRows], sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """As :meth:`convert`, from the requests' values: the same TSV lines, written without
-        arrow (a row per line, fields as text); a field that fails its check is a
+        """As :meth:`convert`, from the requests' values: plain-form records (:meth:`plain`, checked
+        already) straight to the shards' records; otherwise the same TSV lines, written without
+        arrow (a row per line, fields as text), where a field that fails its check is a
         RequestError that does not say which (the caller converts each request alone for that)."""
         if isinstance(requests[0], CriteoRecords):  # a group has one form: all of them are
             records = np.zeros(sum(sizes), self.tsv.dtype)

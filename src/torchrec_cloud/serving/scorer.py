@@ -83,7 +83,7 @@ class Tables(nn.Module):
         index = values.long() + self.row_offsets[torch.div(bag, batch_size, rounding_mode="floor")]
         if self.bag_op and self.quantize == "none":
             # The pt2 program: AOTInductor compiles index_add_ to an atomic add per id and
-            # dimension ; embedding_bag stays aten's own kernel, which sums each bag in place.
+            # dimension; embedding_bag stays aten's own kernel, which sums each bag in place.
             offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=values.device), torch.cumsum(lengths.long(), 0)])
             pooled = F.embedding_bag(index, self.weight, offsets, mode="sum", include_last_offset=True)
         else:
