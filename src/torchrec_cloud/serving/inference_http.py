@@ -196,6 +196,11 @@ class Call:
         """Write the answer (unless the client has gone), then what uvicorn does after one."""
         self.response_complete = True
         conn, inference = self.conn, self.inference
+        # The queued item's callback is this call's bound method: a cycle, which only the cyclic
+        # collector would free, and each of its pauses holds up every request on the loop.
+        if self.timer is not None:
+            self.timer.cancel()
+        self.item = self.timer = self.payload = None
         inference.gauges.flight(-1)
         # uvicorn marks only the connection's latest request disconnected: an earlier pipelined
         # one learns it from the transport.

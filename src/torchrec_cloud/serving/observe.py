@@ -20,6 +20,13 @@ class Metrics:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        if self.multiprocess:
+            from prometheus_client import values
+
+            # Its values ask the kernel for the pid at every update, to notice a fork (getpid is a
+            # system call): a worker is started by exec and never forks, so its pid is read once.
+            pid = os.getpid()
+            values.ValueClass = values.MultiProcessValue(process_identifier=lambda: pid)
         self.registry = r = CollectorRegistry()
         self.requests = Counter("torchrec_serve_requests", "Requests answered, by endpoint and HTTP code",
                                 ["endpoint", "code"], registry=r)  # fmt: skip
@@ -37,6 +44,11 @@ class Metrics:
                              registry=r, multiprocess_mode="livemax")  # fmt: skip
         self.refused = Counter("torchrec_serve_versions_refused", "Model versions refused (failed their checks)", registry=r)
         self.swaps = Counter("torchrec_serve_version_swaps", "Model versions swapped in while serving", registry=r)
+        if not self.multiprocess:  # what prometheus_client's default registry has; one process's, never summed
+            from prometheus_client import GCCollector, ProcessCollector
+
+            GCCollector(registry=r)  # the cyclic collector's pauses hold up every request on the loop
+            ProcessCollector(registry=r)
 
     def scrape(self) -> bytes:
         """The text of ``/metrics``: this process's registry, or every worker's values."""
