@@ -129,7 +129,7 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "torchrec_cloud", "serve", str(model), "--name", "m", "--host", "127.0.0.1",
              "--port", str(self.port), "--runtime", runtime, "--workers", str(workers), *flags],
-            stdout=subprocess.DEVNULL, stderr=open(log, "w"), process_group=0)  # fmt: skip
+            stdout=subprocess.DEVNULL, stderr=open(log, "w"), preexec_fn=os.setpgrp)  # fmt: skip
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             try:
