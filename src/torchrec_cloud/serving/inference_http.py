@@ -166,9 +166,7 @@ class Call:
     def scored(self, value: tuple[Any, Any]) -> None:
         if self.response_complete:  # answered 504 meanwhile
             return
-        if self.timer is not None:
-            self.timer.cancel()
-        try:
+        try:  # respond cancels the timer, whichever answer it writes
             self.respond(*self.inference.scored(self.protocol, self.payload, value[0], value[1], self.info))
         except Refused as e:
             self.refuse(e)
