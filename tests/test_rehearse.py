@@ -57,6 +57,8 @@ def rehearse(tmp_path, launcher: str, nodes: int = 2, *faults: str, train: tuple
     metrics = out / "run" / "metrics.jsonl"
     report["records"] = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     assert proc.returncode == (0 if report["completed"] else 1)
+    # The pod a fault is set for waits at its step: the fault lands there on any machine.
+    assert all(f["fired_step"] == f["step"] for f in report["faults"] if f["fired"]), report["faults"]
     return report
 
 

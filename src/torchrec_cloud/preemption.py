@@ -41,6 +41,10 @@ from torchrec_cloud.launch import (
 # save's time, and after the save the ranks still meet once and the processes exit.
 SAVE_MARGIN = 1.25
 TEARDOWN_S = 2.0
+# Set by `torchrec-cloud rehearse` on the pod a fault is set for: its ranks wait after this
+# step until the fault comes, so that the fault lands at the step it names on any machine.
+REHEARSAL_HOLD_ENV = "TORCHREC_CLOUD_REHEARSAL_HOLD_AT_STEP"
+REHEARSAL_HOLD_MAX_S = 120.0
 
 
 class Preemption:
@@ -66,6 +70,7 @@ class Preemption:
         self._last_beat = time.monotonic()
         self._previous: Any = None
         self._wakeup: Any = None
+        self._hold_at = int(os.environ.get(REHEARSAL_HOLD_ENV) or 0) or None
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handle)
             if stall_s or _under_launcher():
@@ -80,6 +85,20 @@ class Preemption:
     def beat(self) -> None:
         """A training step finished (the loop fetched the next batch)."""
         self._last_beat = time.monotonic()
+
+    def reached(self, step: int) -> None:
+        """The loop finished ``step`` (and logged it). In a rehearsal, the first time it is
+        at or past the step a fault is set for, wait there for the fault: SIGTERM (a drain,
+        reclaim or eviction) ends the wait; a kill or a lost node never returns."""
+        if self._hold_at is None or step < self._hold_at:
+            return
+        self._hold_at = None
+        until = time.monotonic() + REHEARSAL_HOLD_MAX_S
+        while not self.requested and time.monotonic() < until:
+            time.sleep(0.01)
+        if not self.requested:
+            print(f"rank {_rank()}: no fault came in {REHEARSAL_HOLD_MAX_S:g} s at step {step} "
+                  f"({REHEARSAL_HOLD_ENV}); training on", file=sys.stderr, flush=True)  # fmt: skip
 
     def _handle(self, signum, frame) -> None:
         self._note_sigterm()

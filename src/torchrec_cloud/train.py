@@ -124,6 +124,7 @@ def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
                 record = window.record(step, epoch, env, scheduler.current_lr())
                 bar.set_postfix(loss=f"{record['loss']:.4f}", sps=f"{record['samples_per_s']:.0f}")
                 sink.log(record)
+            preemption.reached(step)
         finite.check(checkpoints, preemption, sink)  # before anything is evaluated or saved
         done = first + step - segment_start
         if done < last and not (preemption.stop or checkpoints.cut):

@@ -14,9 +14,9 @@ pod's environment (``pods.py``), under its launcher's controller: Kubernetes' Jo
 controller (``job``), Kubeflow Training Operator v1.9 (``pytorchjob``), Kubeflow Trainer
 v2.3 with JobSet v0.12 (``trainjob``); each rule names its source in ``controllers.py``.
 
-Faults (``faults.py``), each firing once its pod's attempt has seen the run log step STEP
-(``--job preprocess``: once the pod's share has committed STEP shards, one of them in this
-attempt), each repeatable:
+Faults (``faults.py``), each firing once its pod's attempt has seen the run log step STEP,
+where that pod's trainer waits for it (``--job preprocess``: once the pod's share has
+committed STEP shards, one of them in this attempt), each repeatable:
 
   --preempt POD@STEP  a drain: DisruptionTarget, SIGTERM, SIGKILL after the pod's grace
   --reclaim POD@STEP  a spot reclaim: DisruptionTarget, SIGTERM, SIGKILL after the cloud's

@@ -29,7 +29,10 @@ cloud do it (worst real case first), firing once the run has logged a step:
     scales them with the controllers' delays.
 
 Every ``--flag`` may be repeated; each fault fires once, on the first attempt of its pod
-that has logged the step since it started.
+that has logged the step since it started. That pod's trainer waits after the step until the
+fault comes (``preemption.REHEARSAL_HOLD_ENV``): the rehearsal reads the run's records a
+poll later, and a fault set between two checkpoints must not land after the second one on a
+slow or busy machine.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import time
 from typing import Callable, Optional
 
 from torchrec_cloud.config import ConfigError
+from torchrec_cloud.preemption import REHEARSAL_HOLD_ENV
 from torchrec_cloud.rehearse.pods import Attempt
 
 KINDS = ("preempt", "reclaim", "evict", "kill", "lose")
@@ -90,6 +94,12 @@ class Faults:
         self.delay_scale = delay_scale
         self.say = say
         self.lost: list[LostNode] = []
+
+    def hold_env(self, index: int) -> dict[str, str]:
+        """The environment of a new attempt of pod ``index``: the step to wait at for the
+        next fault set for that pod, if any."""
+        steps = [f.step for f in self.faults if f.pod == index and not f.fired]
+        return {REHEARSAL_HOLD_ENV: str(min(steps))} if steps else {}
 
     def tick(self, steps_since: Callable[[Attempt], int]) -> None:
         for fault in self.faults:

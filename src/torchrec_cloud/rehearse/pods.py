@@ -120,10 +120,11 @@ class Pods:
         self.cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         self.counts: dict[int, int] = {}
         self.live: list[Attempt] = []
+        self.hold_env: Callable[[int], dict[str, str]] = lambda index: {}  # Faults.hold_env
 
     def start(self, index: int, template: PodTemplate, metadata: dict[str, dict[str, str]],
               extra_env: dict[str, str], endpoint: Optional[str], rendezvous: str) -> Attempt:  # fmt: skip
-        env = {**resolve_env(template.env, metadata), **extra_env}
+        env = {**resolve_env(template.env, metadata), **extra_env, **self.hold_env(index)}
         argv = [expand(a, env) for a in template.command]
         argv, metrics_port = local_argv(argv, endpoint, rendezvous)
         number = self.counts[index] = self.counts.get(index, 0) + 1

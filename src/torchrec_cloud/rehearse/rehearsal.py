@@ -70,6 +70,8 @@ def rehearse(spec, faults: list[Fault], output: Path, timeout_s: float, delay_sc
     controller.on_start = mark
     grace = spec.reclaim_grace_s or profile.spot["reclaim_grace_s"]
     injected = Faults(faults, pods, controller, grace, profile.lost_node, delay_scale, say)
+    if spec.job != "preprocess":  # a preprocess's progress is its shares, not steps
+        pods.hold_env = injected.hold_env
     served = {i: False for i in range(spec.nodes)}
     deadline = time.monotonic() + timeout_s
     last_scrape = 0.0
