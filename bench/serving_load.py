@@ -10,15 +10,16 @@
 What it does: a Criteo-layout model (the quickstart's, 10,000 rows a table; or ``--model``),
 exported as TorchScript and as an AOTInductor package; 4,096 generated raw Criteo rows;
 ``predict --input`` on them (the limit: rows/s of scoring the same rows offline, whole
-batches, no HTTP; measured again after each runtime's runs, and each run set against the
-mean of the two measurements around it); then for each runtime (``serve --runtime torchscript|pt2``), request size
-(1 and 64 rows, v1 ``instances``) and number of clients (1, 16, 64 connections), ``wrk -d
-DURATION`` against ``/v1/models/NAME:predict``: rows/s, p50/p95/p99 latency, the answers
-that were not 200, and the server's own CPU time per request (from /proc: on a shared
-machine, the figure other processes distort least). Last, the shedding point: 256
-connections of 64-row requests against a server with ``--max_queue 8``: how many were shed
-(503) and how fast the server answered them (its access log's times of the 503 lines). Prints one line per run and a Markdown table for
-bench/RESULTS.md. The server and wrk share this machine's cores: a 2-core machine measures
+batches, no HTTP; measured before the first run and again after every run, and each run set
+against the mean of the measurements just before and just after it); then for each runtime
+(``serve --runtime torchscript|pt2``), request size (1 and 64 rows, v1 ``instances``) and
+number of clients (1, 16, 64 connections), ``wrk -d DURATION`` against
+``/v1/models/NAME:predict``: rows/s, p50/p95/p99 latency, the answers that were not 200, and
+the server's own CPU time per request (from /proc: on a shared machine, the figure other
+processes distort least). Last, the shedding point: 256 connections of 64-row requests against
+a server with ``--max_queue 8``: how many were shed (503) and how fast the server answered
+them (its access log's times of the 503 lines). Prints one line per run and a Markdown table
+for bench/RESULTS.md. The server and wrk share this machine's cores: a 2-core machine measures
 their sum, not the server alone. So wrk runs ahead of the server in the scheduler's queue
 where this user may ask for it (``nice -n -10``; ``--wrk_same_priority``: not), and each run
 also gives the server's own p50/p99 (its access log: from a request's headers to its answer
@@ -220,12 +221,12 @@ def main() -> int:
     tsv, bodies = rows_and_bodies(folder, args.rows)
     script = folder / "post.lua"
     script.write_text(WRK_SCRIPT)
-    # The limit is measured again after each runtime's runs, and each run is set against the mean
-    # of the measurements before and after its runtime's: this machine's speed drifts within
-    # minutes (bench/RESULTS.md), and one measurement at the start would be minutes from the last run.
+    # The limit is measured before the first run and again after every run, and each run is set
+    # against the mean of the measurements just before and after it: this machine's speed drifts
+    # within minutes (bench/RESULTS.md), by more than a measurement a runtime's block apart allows.
     limits = [offline_rows_per_s(model, tsv, folder / "scores.csv")]
     print(f"offline predict --input: {limits[0]:,.0f} rows/s ({args.rows} rows x {OFFLINE_REPEATS}, the faster of 2 "
-          "runs; measured again after each runtime's runs)", flush=True)  # fmt: skip
+          "runs; measured again after every run)", flush=True)  # fmt: skip
     # serve parses HTTP with httptools when it is installed, h11 otherwise, and runs on uvloop
     # when it is installed, asyncio's loop otherwise: say which ran (the server's ready line says so too).
     http = "httptools" if importlib.util.find_spec("httptools") else "h11"
@@ -237,13 +238,12 @@ def main() -> int:
     print(f"wrk's priority: {'nice -10, ahead of the server' if WRK_PRIORITY else 'the same as the server'}", flush=True)
     table = []
     for runtime in args.runtimes.split(","):
-        block: list[dict] = []
         server = Server(model, runtime, folder / f"serve-{runtime}.log", args.workers, "--max_delay_ms",
                         f"{args.max_delay_ms:g}")  # fmt: skip
         try:
             for n, body in bodies.items():
-                wrk(server.url, body, 4, 2, script)  # warm-up
                 for clients in (1, 16, 64):
+                    wrk(server.url, body, 4, 1, script)  # the server warm again after the idle limit
                     cpu, since = server.cpu_s(), server.log_size()
                     r = wrk(server.url, body, clients, args.seconds, script)
                     time.sleep(0.2)  # the last turn's access lines are written at the next turn
@@ -251,26 +251,23 @@ def main() -> int:
                     # The server's own CPU per request: what a busy shared machine does not distort.
                     cpu_us = (server.cpu_s() - cpu) / max(r["requests"], 1) * 1e6
                     rows_per_s = r["requests"] * n / r["seconds"]
+                    limits.append(offline_rows_per_s(model, tsv, folder / "scores.csv"))
+                    limit = (limits[-2] + limits[-1]) / 2
                     row = {"runtime": runtime, "rows_per_request": n, "clients": clients, "rows_per_s": rows_per_s,
+                           "of_offline": rows_per_s / limit, "offline_rows_per_s": limit,
                            "server_cpu_us_per_request": cpu_us, "server_p50_ms": own_p50, "server_p99_ms": own_p99,
                            **r}  # fmt: skip
-                    block.append(row)
+                    table.append(row)
                     print(f"{runtime} {n}-row requests, {clients} clients: {rows_per_s:,.0f} rows/s, "
+                          f"{row['of_offline']:.0%} of offline ({limits[-2]:,.0f} before, {limits[-1]:,.0f} after), "
                           f"p50 {r['p50_ms']:.1f} ms, p95 {r['p95_ms']:.1f} ms, "
                           f"p99 {r['p99_ms']:.1f} ms, not 200: {r['non_2xx']}, socket errors {r['socket_errors']}, "
                           f"server CPU {cpu_us:,.0f} us a request, the server's own p50 {own_p50:.1f} ms p99 {own_p99:.1f} ms",
                           flush=True)  # fmt: skip
+                    if args.json:
+                        print(json.dumps(row), flush=True)
         finally:
             server.stop()
-        limits.append(offline_rows_per_s(model, tsv, folder / "scores.csv"))
-        limit = (limits[-2] + limits[-1]) / 2
-        print(f"offline predict --input after the {runtime} runs: {limits[-1]:,.0f} rows/s; their limit: {limit:,.0f} "
-              "rows/s (the mean of the measurements before and after them)", flush=True)  # fmt: skip
-        for row in block:
-            row.update(of_offline=row["rows_per_s"] / limit, offline_rows_per_s=limit)
-            if args.json:
-                print(json.dumps(row), flush=True)
-        table += block
 
     # The shedding point: more waiting requests than the queue holds.
     log = folder / "serve-shed.log"
@@ -293,7 +290,7 @@ def main() -> int:
               f"{r['of_offline']:.0%} ({r['offline_rows_per_s']:,.0f}) | {r['p50_ms']:.1f} | {r['p95_ms']:.1f} | {r['p99_ms']:.1f} | {r['non_2xx']} | "
               f"{r['server_cpu_us_per_request']:,.0f} | {r['server_p50_ms']:.1f} / {r['server_p99_ms']:.1f} |")
     print(f"\noffline `predict --input`, same model and rows: {', '.join(f'{x:,.0f}' for x in limits)} rows/s (at the "
-          f"start and after each runtime's runs); HTTP parser {http}; "
+          f"start and after every run); HTTP parser {http}; "
           f"event loop {loop}; serve --workers {args.workers} --max_delay_ms {args.max_delay_ms:g}; wrk "
           f"{'at nice -10' if WRK_PRIORITY else 'at the server priority'}. {shed_line}")
     return 0
