@@ -110,6 +110,29 @@ def test_gpu_replicas_ask_for_gpus_on_the_gpu_nodes():
     checked(serve(cloud="gcp", gpus=1, launcher="kserve"))
 
 
+def the_server(pod: dict) -> tuple[list[str], dict]:
+    (container,) = pod["containers"]
+    return container["args"], container["resources"]
+
+
+@pytest.mark.parametrize("cloud", CLOUDS)
+def test_a_cpu_replica_runs_a_worker_per_cpu_and_asks_a_cpu_for_each(cloud):
+    """One event loop parses every request of its process: a replica of N CPUs runs N worker
+    processes (docs/serving.md), and --workers beyond the profile's CPUs asks for one each
+    (under a smaller quota the kernel throttles the workers in turn)."""
+    cpus = int(load_profile(cloud).serving["requests"]["cpu"])
+    args, resources = the_server(the_pod(checked(serve(cloud=cloud))))
+    assert args[args.index("--workers") + 1] == str(cpus) and resources["requests"]["cpu"] == str(cpus)
+    args, resources = the_server(the_pod(checked(serve(cloud=cloud, train_args=["--workers", str(cpus + 2)]))))
+    assert args.count("--workers") == 1 and args[args.index("--workers") + 1] == str(cpus + 2)
+    assert resources["requests"]["cpu"] == resources["limits"]["cpu"] == str(cpus + 2)
+    args, resources = the_server(the_pod(checked(serve(cloud=cloud, train_args=["--workers=1"]))))
+    assert [a for a in args if a.startswith("--workers")] == ["--workers=1"]
+    assert resources["requests"]["cpu"] == str(cpus)  # the profile's CPUs: more than one worker needs
+    args, _ = the_server(the_pod(checked(serve(cloud=cloud, gpus=1))))
+    assert "--workers" not in args  # one process feeds the GPU; a worker each would copy the tables onto it
+
+
 def test_a_model_on_the_shared_file_system_mounts_it():
     profile = load_profile("aws")
     path = f"{profile.storage['mount_path']}/models/q"
@@ -142,6 +165,8 @@ def test_admission_refuses_what_keda_and_the_api_server_would():
         ({"model_url": MODEL, "gpus": -1}, "gpus"),
         ({"model_url": MODEL, "launcher": "kserve", "autoscaler": "keda"}, "autoscaler"),
         ({"model_url": MODEL, "train_args": ["--port", "9000"]}, "--"),
+        ({"model_url": MODEL, "train_args": ["--workers", "0"]}, "--"),
+        ({"model_url": MODEL, "train_args": ["--workers", "two"]}, "--"),
         ({"model_url": MODEL, "checkpoint_url": "s3://b/c"}, "checkpoint_url"),
     ],
 )

@@ -19,7 +19,8 @@ class ConfigError(ValueError):
     """A configuration value that cannot be used; ``flag`` names the offending flag."""
 
     def __init__(self, flag: str, message: str) -> None:
-        super().__init__(f"--{flag}: {message}")
+        # flag "--": the flags after '--', which the message names itself.
+        super().__init__(message if flag == "--" else f"--{flag}: {message}")
         self.flag = flag
 
 

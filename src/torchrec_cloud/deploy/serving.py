@@ -69,7 +69,7 @@ def _setting(profile: Profile, key: str) -> Any:
 def serve_context(spec: DeploySpec, profile: Profile) -> dict[str, Any]:
     """Every value the ``serve_*`` templates use."""
     from torchrec_cloud.deploy.admission import MIN_KUBERNETES_ANNOTATION, MIN_OPERATORS_ANNOTATION, MIN_VERSIONS
-    from torchrec_cloud.deploy.pod import _network_policy, workload_context
+    from torchrec_cloud.deploy.pod import _millicores, _network_policy, workload_context
 
     port = int(_setting(profile, "port"))
     prestop, drain, margin = (int(_setting(profile, k)) for k in ("prestop_s", "drain_s", "grace_margin_s"))
@@ -94,7 +94,15 @@ def serve_context(spec: DeploySpec, profile: Profile) -> dict[str, Any]:
     if min_replicas > max_replicas:
         raise ConfigError("min_replicas", f"{min_replicas} is more than --max_replicas {max_replicas}")
     identity = profile.identity or {}
-    args = [spec.model_url, "--name", spec.name, "--host", "0.0.0.0", "--port", str(port), *spec.train_args]
+    # A CPU replica runs a worker process per whole CPU of its request (one event loop parses
+    # every request of its process), unless the flags after '--' say --workers; a GPU replica
+    # one, which feeds the GPU (a worker each would hold a copy of the tables on it).
+    workers = spec.serve_workers()
+    placement = ["--name", spec.name, "--host", "0.0.0.0", "--port", str(port)]
+    if workers is None and not spec.gpus:
+        workers = max(_millicores(_setting(profile, "requests")["cpu"], f"profile {profile.name!r}, serving") // 1000, 1)
+        placement += ["--workers", str(workers)]
+    args = [spec.model_url, *placement, *spec.train_args]
     container = {
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
         # Ready once the model is loaded and warmed, not ready from SIGTERM on (the server's own rules).
@@ -107,7 +115,7 @@ def serve_context(spec: DeploySpec, profile: Profile) -> dict[str, Any]:
         # The sleep action, not `exec sleep`: nothing has to be in the image (PodLifecycleSleepAction,
         # on by default since Kubernetes 1.30).
         "lifecycle": {"preStop": {"sleep": {"seconds": prestop}}},
-        "resources": _resources(spec, profile, shm),
+        "resources": _resources(spec, profile, shm, workers or 1),
         "securityContext": ctx["container_security"],
         "volumeMounts": ctx["volume_mounts"],
     }
@@ -143,17 +151,19 @@ def serve_context(spec: DeploySpec, profile: Profile) -> dict[str, Any]:
     return ctx
 
 
-def _resources(spec: DeploySpec, profile: Profile, shm: str) -> dict[str, Any]:
+def _resources(spec: DeploySpec, profile: Profile, shm: str, workers: int) -> dict[str, Any]:
     """A replica's cpu and memory requested and capped (limits default to the requests,
-    /dev/shm added to the memory limit, which it counts against), and its GPUs."""
+    /dev/shm added to the memory limit, which it counts against), and its GPUs. A CPU at
+    least for each of its ``workers``: under a smaller quota the kernel throttles them in
+    turn, holding every request of a throttled worker's event loop."""
     from torchrec_cloud.deploy.pod import _bytes, _cpu_text, _memory_text, _millicores
 
     where = f"profile {profile.name!r}, serving"
     requests = _setting(profile, "gpu_requests" if spec.gpus else "requests")
     given = {} if spec.gpus else (profile.serving.get("limits") or {})
-    cpu = _millicores(requests["cpu"], where)
+    cpu = max(_millicores(requests["cpu"], where), 1000 * workers)
     memory = _bytes(requests["memory"], "cloud", where)
-    cpu_limit = _millicores(given["cpu"], where) if "cpu" in given else cpu
+    cpu_limit = max(_millicores(given["cpu"], where), cpu) if "cpu" in given else cpu
     memory_limit = (_bytes(given["memory"], "cloud", where) if "memory" in given else memory) + _bytes(shm, "cloud", where)
     resources: dict[str, Any] = {
         "requests": {"cpu": _cpu_text(cpu), "memory": _memory_text(memory)},

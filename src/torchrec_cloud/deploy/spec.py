@@ -365,6 +365,22 @@ class DeploySpec:
         if given:
             raise ConfigError("--", f"serve flags after '--': {given[0]} is the manifest's own "
                                     "(the Service and probes use it)")  # fmt: skip
+        workers = self.serve_workers()
+        if workers is not None and workers < 1:
+            raise ConfigError("--", f"serve flags after '--': --workers must be >= 1, got {workers}")
+
+    def serve_workers(self) -> Optional[int]:
+        """``--workers N`` among the `serve` flags after '--', if given."""
+        for group in _flag_groups(list(self.train_args)):
+            flag, _, value = group[0].partition("=")
+            if flag == "--workers":
+                value = value or (group[1] if len(group) > 1 else "")
+                try:
+                    return int(value)
+                except ValueError:
+                    raise ConfigError("--", f"serve flags after '--': --workers takes a whole number, got "
+                                            f"{value!r}") from None  # fmt: skip
+        return None
 
     def _check_daily(self) -> None:
         """The daily job: one pod of a CronJob (the day's preprocessing, warm training, the gated
