@@ -128,7 +128,7 @@ def test_a_cpu_replica_runs_a_worker_per_cpu_and_asks_a_cpu_for_each(cloud):
     assert resources["requests"]["cpu"] == resources["limits"]["cpu"] == str(cpus + 2)
     args, resources = the_server(the_pod(checked(serve(cloud=cloud, train_args=["--workers=1"]))))
     assert [a for a in args if a.startswith("--workers")] == ["--workers=1"]
-    assert resources["requests"]["cpu"] == str(cpus)  # the profile's CPUs: more than one worker needs
+    assert resources["requests"]["cpu"] == str(cpus)  # fewer workers than CPUs: the request is kept
     args, _ = the_server(the_pod(checked(serve(cloud=cloud, gpus=1))))
     assert "--workers" not in args  # one process feeds the GPU; a worker each would copy the tables onto it
 
