@@ -112,7 +112,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args()
 
-    from torchrec_cloud.train import quiet_library_warnings
+    from torchrec_cloud.progress import quiet_library_warnings
 
     quiet_library_warnings()
     base = [

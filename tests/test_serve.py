@@ -243,6 +243,9 @@ def test_a_criteo_model_takes_raw_criteo_fields(criteo, tmp_path):
         assert status == 200 and len(body["predictions"]) == 2 and all(0 < p < 1 for p in body["predictions"]), body
         status, _, body = request(server.url + "/v1/models/m:predict", {"instances": [dict(rows[0], cat_3="xyz\t1")]})
         assert status == 400 and "cat_3" in body["error"], body
+        # Serving needs neither TorchRec nor fbgemm (seconds of a replica's start): not loaded.
+        maps = Path(f"/proc/{server.proc.pid}/maps")
+        assert not maps.exists() or "fbgemm" not in maps.read_text()
     finally:
         assert server.stop() == 0
 

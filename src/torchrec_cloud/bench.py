@@ -113,7 +113,7 @@ def worker_ours(cfg, steps: int, warmup: int, precision: str = "fp32", profile: 
     from torchrec_cloud import comm, compat
     from torchrec_cloud.build import build
     from torchrec_cloud.distributed import init_distributed, kernel_counts
-    from torchrec_cloud.train import quiet_library_warnings
+    from torchrec_cloud.progress import quiet_library_warnings
 
     quiet_library_warnings()
     env = init_distributed(cfg.train.backend, cfg.train.num_threads, cfg.train.pg_timeout_s)

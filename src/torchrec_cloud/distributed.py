@@ -31,6 +31,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 
 from torchrec_cloud import comm, compat
 from torchrec_cloud.config import ConfigError, JobConfig, ShardingConfig, TrainConfig
+from torchrec_cloud.launch import cpu_count
 from torchrec_cloud.optim import embedding_lr
 from torchrec_cloud.progress import plural
 
@@ -60,13 +61,6 @@ class StepGroups:
     data_parallel: Optional[dist.ProcessGroup] = None
 
 
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def init_distributed(backend: str = "auto", num_threads: int = 0, timeout_s: Optional[int] = None) -> Env:
     """Join (or create) the process group and pick this rank's device and thread count;
     a collective fails after ``timeout_s`` (``--pg_timeout_s``)."""
@@ -84,7 +78,7 @@ def init_distributed(backend: str = "auto", num_threads: int = 0, timeout_s: Opt
     else:
         device = torch.device("cpu")
     # Ranks on one host share its cores: give each its share, never more than all of them.
-    cores = _cpu_count()
+    cores = cpu_count()
     threads = num_threads or max(1, cores // local_world_size)
     if device.type == "cpu" and local_world_size > cores and local_rank == 0:
         print(f"warning: {local_world_size} ranks on this host share its {plural(cores, 'core')}: each trains on "

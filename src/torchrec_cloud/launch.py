@@ -78,6 +78,14 @@ VERDICT_CAP_S = 300.0
 # -- worker side ------------------------------------------------------------------------
 
 
+def cpu_count() -> int:
+    """The cores this process may run on (its affinity: a container's cpuset, taskset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def _folder() -> Optional[str]:
     return os.environ.get(_DIR_ENV) or None
 

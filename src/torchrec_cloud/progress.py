@@ -68,3 +68,14 @@ def _is_terminal(stream: IO[str]) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):
         return False
+
+
+def quiet_library_warnings() -> None:
+    """TorchRec and torch warn about internals users cannot act on; keep the console readable."""
+    import logging
+    import warnings
+
+    for category in (UserWarning, DeprecationWarning, FutureWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"(torch|torchrec|fbgemm_gpu)\b.*")
+    for name in ("torchrec", "torch.distributed", "torch.fx"):
+        logging.getLogger(name).setLevel(logging.ERROR)

@@ -48,6 +48,7 @@ from torchrec_cloud.launch import EXIT_OK, EXIT_PREEMPTED, end_pod, report_finis
 from torchrec_cloud.metrics import MetricsSink
 from torchrec_cloud.precision import pins_batches, precision_context
 from torchrec_cloud.preemption import Preemption, wait_for_lost_peer
+from torchrec_cloud.progress import quiet_library_warnings
 
 
 def run(cfg: JobConfig, source: Optional[DataSource] = None) -> dict[str, Any]:
@@ -629,13 +630,3 @@ def _main(ns: argparse.Namespace) -> int:
     if not result["sigterm"]:
         end_pod(EXIT_PREEMPTED)
     return EXIT_PREEMPTED
-
-
-def quiet_library_warnings() -> None:
-    """TorchRec and torch warn about internals users cannot act on; keep the console readable."""
-    for category in (UserWarning, DeprecationWarning, FutureWarning):
-        warnings.filterwarnings("ignore", category=category, module=r"(torch|torchrec|fbgemm_gpu)\b.*")
-    import logging
-
-    for name in ("torchrec", "torch.distributed", "torch.fx"):
-        logging.getLogger(name).setLevel(logging.ERROR)

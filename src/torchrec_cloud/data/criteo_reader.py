@@ -14,11 +14,13 @@ raw line scores exactly as the shards made of it train::
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
-from torchrec.datasets.utils import Batch
+
+if TYPE_CHECKING:
+    from torchrec.datasets.utils import Batch
 
 from torchrec_cloud.config import ConfigError
 from torchrec_cloud.data.criteo_format import CAT_FEATURES, SPARSE_NAMES, record_dtype, sparse_dtype_for
@@ -104,6 +106,10 @@ class CriteoBatcher:
             sparse = keyed_jagged_tensor(
                 SPARSE_NAMES, ids_t.t().contiguous().view(-1), torch.ones(b * CAT_FEATURES, dtype=torch.int32), b
             )
+        # Here, not at import: serving a Criteo model reads its rows with this module, and
+        # importing TorchRec (its planner, torch._dynamo) would delay every replica's start.
+        from torchrec.datasets.utils import Batch
+
         return Batch(
             dense_features=torch.from_numpy(dense),
             sparse_features=sparse,

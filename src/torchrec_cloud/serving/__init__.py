@@ -193,7 +193,7 @@ def add_command(
     (a bad flag: ConfigError, exit 2)."""
 
     def main(ns: argparse.Namespace) -> int:
-        from torchrec_cloud.train import quiet_library_warnings
+        from torchrec_cloud.progress import quiet_library_warnings
 
         quiet_library_warnings()  # torch.fx's is_fx_tracing notice, TorchRec's internals: nothing to act on
         return run(ns)

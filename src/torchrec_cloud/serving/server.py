@@ -472,7 +472,7 @@ def serve(ns: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
-    from torchrec_cloud.distributed import _cpu_count
+    from torchrec_cloud.launch import cpu_count
 
     if worker is not None:
         _TAG = f"torchrec-cloud serve[worker {worker.index}]"
@@ -481,7 +481,7 @@ def serve(ns: argparse.Namespace) -> int:
     # scores: torch's threads spinning on every core would take the loop's core from it (from
     # each worker's). Scored on the loop's thread, a batch has the worker's share of the cores.
     workers = 1 if worker is None else worker.workers
-    cores = _cpu_count() - (workers if ns.max_delay_ms > 0 else 0)
+    cores = cpu_count() - (workers if ns.max_delay_ms > 0 else 0)
     torch.set_num_threads(ns.num_threads or max(1, cores // workers))
     metrics = Metrics()
     state = State(ns, model, metrics, worker)
