@@ -5,6 +5,7 @@
     python bench/serving_load.py                     # trains and exports a small model first
     python bench/serving_load.py --model models/q    # an exported Criteo-layout model folder
     python bench/serving_load.py --workers 2         # serve --workers 2: two processes on the port
+    python bench/serving_load.py --server_cpus all   # the server and wrk on the same cores (no pinning)
     python bench/serving_load.py --max_delay_ms 2    # a batcher thread waiting up to 2 ms (default 0: none)
 
 What it does: a Criteo-layout model (the quickstart's, 10,000 rows a table; or ``--model``),
@@ -19,11 +20,18 @@ the server's own CPU time per request (from /proc: on a shared machine, the figu
 processes distort least). Last, the shedding point: 256 connections of 64-row requests against
 a server with ``--max_queue 8``: how many were shed (503) and how fast the server answered
 them (its access log's times of the 503 lines). Prints one line per run and a Markdown table
-for bench/RESULTS.md. The server and wrk share this machine's cores: a 2-core machine measures
-their sum, not the server alone. So wrk runs ahead of the server in the scheduler's queue
-where this user may ask for it (``nice -n -10``; ``--wrk_same_priority``: not), and each run
-also gives the server's own p50/p99 (its access log: from a request's headers to its answer
-written), apart from what wrk adds.
+for bench/RESULTS.md. Each run also gives the server's own p50/p99 (its access log: from a
+request's headers to its answer written), apart from what wrk and the sockets add.
+
+Where the cores go: a load generator on the server's cores measures their sum, not the server
+(a request's answer waits while wrk or another worker holds the core: on 2 cores, that was
+most of p99 at 16 clients; bench/RESULTS.md). So by default the server, its workers and the
+offline limit run on ``--server_cpus`` (the upper half of this process's CPUs, as ``taskset``
+would pin them; ``serve --workers`` one per CPU unless given) and wrk on the rest, as a
+replica with CPUs of its own and clients on other machines would run; the limit is then what
+those same CPUs score offline. ``--server_cpus all``: no pinning, the server and wrk share
+every core, wrk ahead of the server in the scheduler's queue where this user may ask for it
+(``nice -n -10``; ``--wrk_same_priority``: not).
 """
 
 from __future__ import annotations
@@ -65,9 +73,26 @@ end
 """
 
 
-def cli(*args: str, env: dict | None = None) -> str:
+# The CPUs the server (and the offline limit) may run on, and wrk's; empty: every CPU, shared.
+SERVER_CPUS: set[int] = set()
+WRK_CPUS: set[int] = set()
+
+
+def pinned(cpus: set[int], *also):
+    """A ``preexec_fn`` that pins the child (and the processes it starts) to ``cpus``."""
+
+    def pin() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        for fn in also:
+            fn()
+
+    return pin
+
+
+def cli(*args: str, cpus: set[int] = frozenset()) -> str:
     proc = subprocess.run([sys.executable, "-m", "torchrec_cloud", *args], capture_output=True, text=True,
-                          env=env or os.environ.copy())  # fmt: skip
+                          preexec_fn=pinned(cpus))  # fmt: skip
     if proc.returncode != 0:
         raise SystemExit(f"torchrec-cloud {' '.join(args[:2])}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
     return proc.stdout
@@ -114,7 +139,7 @@ def offline_rows_per_s(model: Path, tsv: Path, out: Path) -> float:
     best = 0.0
     for _ in range(2):
         report = json.loads(cli("predict", str(model), "--input", str(many), "--output", str(out), "--json",
-                                "--no_progress").strip().splitlines()[-1])  # fmt: skip
+                                "--no_progress", cpus=SERVER_CPUS).strip().splitlines()[-1])  # fmt: skip
         best = max(best, report["rows"] / report["seconds"])
     return best
 
@@ -130,7 +155,7 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "torchrec_cloud", "serve", str(model), "--name", "m", "--host", "127.0.0.1",
              "--port", str(self.port), "--runtime", runtime, "--workers", str(workers), *flags],
-            stdout=subprocess.DEVNULL, stderr=open(log, "w"), preexec_fn=os.setpgrp)  # fmt: skip
+            stdout=subprocess.DEVNULL, stderr=open(log, "w"), preexec_fn=pinned(SERVER_CPUS, os.setpgrp))  # fmt: skip
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             try:
@@ -189,10 +214,40 @@ def wrk_priority() -> list[str]:
 WRK_PRIORITY: list[str] = []
 
 
+def server_cpus(spec: str) -> set[int]:
+    """``--server_cpus``: ``all`` (no pinning: empty), ``auto`` (the upper half of this
+    process's CPUs, none on a 1-CPU machine) or a taskset list (``0,2-3``)."""
+    mine = sorted(os.sched_getaffinity(0))
+    if spec == "all":
+        return set()
+    if spec == "auto":
+        return set(mine[len(mine) // 2 :]) if len(mine) > 1 else set()
+    try:
+        cpus = set()
+        for part in spec.split(","):
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise SystemExit(f"--server_cpus {spec!r}: not a CPU list like 0,2-3 (or auto, all)") from None
+    if not cpus or not cpus < set(mine):
+        raise SystemExit(f"--server_cpus {spec!r}: must be some of this process's CPUs {mine}, leaving wrk one at least")
+    return cpus
+
+
+def where() -> str:
+    if not SERVER_CPUS:
+        return f"server and wrk on every CPU, wrk {'at nice -10' if WRK_PRIORITY else 'at the server priority'}"
+    threads = min(2, len(WRK_CPUS))
+    return (f"server and the offline limit on CPUs {sorted(SERVER_CPUS)}, wrk on {sorted(WRK_CPUS)} "
+            f"({'one thread' if threads == 1 else f'{threads} threads'})")
+
+
 def wrk(url: str, body: Path, clients: int, seconds: float, script: Path) -> dict:
-    cmd = [*WRK_PRIORITY, "wrk", "-t", str(min(clients, 2)), "-c", str(clients), "-d", f"{seconds:g}s", "--timeout", "30s",
+    threads = min(clients, 2, len(WRK_CPUS) or 2)
+    cmd = [*WRK_PRIORITY, "wrk", "-t", str(threads), "-c", str(clients), "-d", f"{seconds:g}s", "--timeout", "30s",
            "-s", str(script), url + "/v1/models/m:predict"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "BODY_FILE": str(body)})
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "BODY_FILE": str(body)},
+                          preexec_fn=pinned(WRK_CPUS))  # fmt: skip
     line = next((x for x in proc.stdout.splitlines() if x.startswith("WRK ")), None)
     if line is None:
         raise SystemExit(f"wrk: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
@@ -206,7 +261,10 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="each wrk run's duration")
     parser.add_argument("--runtimes", default="torchscript,pt2")
     parser.add_argument("--json", action="store_true", help="one JSON line per run as well")
-    parser.add_argument("--workers", type=int, default=1, help="serve --workers: worker processes on the one port")
+    parser.add_argument("--server_cpus", default="auto",
+                        help="CPUs for the server and the offline limit, as taskset -c (0,2-3); wrk gets the rest "
+                             "(auto: the upper half; all: no pinning, shared with wrk)")  # fmt: skip
+    parser.add_argument("--workers", type=int, help="serve --workers (default: one per server CPU)")
     parser.add_argument("--max_delay_ms", type=float, default=0.0,
                         help="serve --max_delay_ms (0, serve's default: a loop turn's requests scored at its end)")  # fmt: skip
     parser.add_argument("--wrk_same_priority", action="store_true",
@@ -215,7 +273,10 @@ def main() -> int:
     if shutil.which("wrk") is None:
         raise SystemExit("wrk is not installed: apt-get install wrk (Debian's package)")
 
-    WRK_PRIORITY[:] = [] if args.wrk_same_priority else wrk_priority()
+    SERVER_CPUS.update(server_cpus(args.server_cpus))
+    WRK_CPUS.update(os.sched_getaffinity(0) - SERVER_CPUS if SERVER_CPUS else ())
+    args.workers = args.workers or len(SERVER_CPUS or os.sched_getaffinity(0))
+    WRK_PRIORITY[:] = [] if args.wrk_same_priority or SERVER_CPUS else wrk_priority()
     folder = Path(tempfile.mkdtemp(prefix="serving-load-"))
     model = Path(args.model) if args.model else make_model(folder)
     tsv, bodies = rows_and_bodies(folder, args.rows)
@@ -235,7 +296,7 @@ def main() -> int:
           flush=True)  # fmt: skip
     print(f"serve --workers {args.workers} --max_delay_ms {args.max_delay_ms:g}: {args.workers} worker process(es) on "
           "the port", flush=True)  # fmt: skip
-    print(f"wrk's priority: {'nice -10, ahead of the server' if WRK_PRIORITY else 'the same as the server'}", flush=True)
+    print(f"CPUs: {where()}", flush=True)
     table = []
     for runtime in args.runtimes.split(","):
         server = Server(model, runtime, folder / f"serve-{runtime}.log", args.workers, "--max_delay_ms",
@@ -291,8 +352,8 @@ def main() -> int:
               f"{r['server_cpu_us_per_request']:,.0f} | {r['server_p50_ms']:.1f} / {r['server_p99_ms']:.1f} |")
     print(f"\noffline `predict --input`, same model and rows: {', '.join(f'{x:,.0f}' for x in limits)} rows/s (at the "
           f"start and after every run); HTTP parser {http}; "
-          f"event loop {loop}; serve --workers {args.workers} --max_delay_ms {args.max_delay_ms:g}; wrk "
-          f"{'at nice -10' if WRK_PRIORITY else 'at the server priority'}. {shed_line}")
+          f"event loop {loop}; serve --workers {args.workers} --max_delay_ms {args.max_delay_ms:g}; {where()}. "
+          f"{shed_line}")
     return 0
 
 
