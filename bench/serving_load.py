@@ -21,7 +21,8 @@ processes distort least). Last, the shedding point: 256 connections of 64-row re
 a server with ``--max_queue 8``: how many were shed (503) and how fast the server answered
 them (its access log's times of the 503 lines). Prints one line per run and a Markdown table
 for bench/RESULTS.md. Each run also gives the server's own p50/p99 (its access log: from a
-request's headers to its answer written), apart from what wrk and the sockets add.
+request's headers to its answer written), apart from what wrk and the sockets add, and the
+share of the server's CPUs' time that the hypervisor gave to other machines (steal).
 
 Where the cores go: a load generator on the server's cores measures their sum, not the server
 (a request's answer waits while wrk or another worker holds the core: on 2 cores, that was
@@ -242,6 +243,21 @@ def where() -> str:
             f"({'one thread' if threads == 1 else f'{threads} threads'})")
 
 
+def cpu_ticks() -> dict[str, list[int]]:
+    """/proc/stat's time of each CPU (user, nice, system, idle, iowait, irq, softirq, steal)."""
+    lines = Path("/proc/stat").read_text().splitlines()
+    return {f[0]: list(map(int, f[1:9])) for f in map(str.split, lines) if f[0].startswith("cpu") and f[0] != "cpu"}
+
+
+def stolen(before: dict[str, list[int]], after: dict[str, list[int]]) -> float:
+    """The share of the server's CPUs' time (every CPU's, unpinned) that the hypervisor gave to
+    other machines (steal): a cloud VM's neighbours slow a run down by that much, which no
+    figure of the server's own can show."""
+    names = [f"cpu{c}" for c in SERVER_CPUS] if SERVER_CPUS else list(after)
+    total = sum(a - b for n in names for a, b in zip(after[n], before[n]))
+    return sum(after[n][7] - before[n][7] for n in names) / max(total, 1)
+
+
 def wrk(url: str, body: Path, clients: int, seconds: float, script: Path) -> dict:
     threads = min(clients, 2, len(WRK_CPUS) or 2)
     cmd = [*WRK_PRIORITY, "wrk", "-t", str(threads), "-c", str(clients), "-d", f"{seconds:g}s", "--timeout", "30s",
@@ -305,25 +321,28 @@ def main() -> int:
             for n, body in bodies.items():
                 for clients in (1, 16, 64):
                     wrk(server.url, body, 4, 1, script)  # the server warm again after the idle limit
-                    cpu, since = server.cpu_s(), server.log_size()
+                    cpu, since, ticks = server.cpu_s(), server.log_size(), cpu_ticks()
                     r = wrk(server.url, body, clients, args.seconds, script)
                     time.sleep(0.2)  # the last turn's access lines are written at the next turn
                     own_p50, own_p99 = server.own_latency_ms(since)
                     # The server's own CPU per request: what a busy shared machine does not distort.
                     cpu_us = (server.cpu_s() - cpu) / max(r["requests"], 1) * 1e6
+                    steal = stolen(ticks, cpu_ticks())
                     rows_per_s = r["requests"] * n / r["seconds"]
                     limits.append(offline_rows_per_s(model, tsv, folder / "scores.csv"))
                     limit = (limits[-2] + limits[-1]) / 2
                     row = {"runtime": runtime, "rows_per_request": n, "clients": clients, "rows_per_s": rows_per_s,
                            "of_offline": rows_per_s / limit, "offline_rows_per_s": limit,
                            "server_cpu_us_per_request": cpu_us, "server_p50_ms": own_p50, "server_p99_ms": own_p99,
+                           "steal": steal,
                            **r}  # fmt: skip
                     table.append(row)
                     print(f"{runtime} {n}-row requests, {clients} clients: {rows_per_s:,.0f} rows/s, "
                           f"{row['of_offline']:.0%} of offline ({limits[-2]:,.0f} before, {limits[-1]:,.0f} after), "
                           f"p50 {r['p50_ms']:.1f} ms, p95 {r['p95_ms']:.1f} ms, "
                           f"p99 {r['p99_ms']:.1f} ms, not 200: {r['non_2xx']}, socket errors {r['socket_errors']}, "
-                          f"server CPU {cpu_us:,.0f} us a request, the server's own p50 {own_p50:.1f} ms p99 {own_p99:.1f} ms",
+                          f"server CPU {cpu_us:,.0f} us a request, the server's own p50 {own_p50:.1f} ms p99 {own_p99:.1f} ms, "
+                          f"steal {steal:.0%}",
                           flush=True)  # fmt: skip
                     if args.json:
                         print(json.dumps(row), flush=True)
@@ -344,12 +363,12 @@ def main() -> int:
     print(shed_line, flush=True)
 
     print("\n| runtime | rows/request | clients | rows/s | of offline (its limit) | p50 ms | p95 ms | p99 ms | not 200 | server CPU us/request "
-          "| server's own p50 / p99 ms |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| server's own p50 / p99 ms | steal |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in table:
         print(f"| {r['runtime']} | {r['rows_per_request']} | {r['clients']} | {r['rows_per_s']:,.0f} | "
               f"{r['of_offline']:.0%} ({r['offline_rows_per_s']:,.0f}) | {r['p50_ms']:.1f} | {r['p95_ms']:.1f} | {r['p99_ms']:.1f} | {r['non_2xx']} | "
-              f"{r['server_cpu_us_per_request']:,.0f} | {r['server_p50_ms']:.1f} / {r['server_p99_ms']:.1f} |")
+              f"{r['server_cpu_us_per_request']:,.0f} | {r['server_p50_ms']:.1f} / {r['server_p99_ms']:.1f} | {r['steal']:.0%} |")
     print(f"\noffline `predict --input`, same model and rows: {', '.join(f'{x:,.0f}' for x in limits)} rows/s (at the "
           f"start and after every run); HTTP parser {http}; "
           f"event loop {loop}; serve --workers {args.workers} --max_delay_ms {args.max_delay_ms:g}; {where()}. "
