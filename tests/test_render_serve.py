@@ -15,6 +15,7 @@ from test_render import CLOUDS, assert_hardened, by_kind, render, validate
 from torchrec_cloud.config import ConfigError
 from torchrec_cloud.deploy import admission
 from torchrec_cloud.deploy.manifests import load_documents, render_bundle
+from torchrec_cloud.deploy.pod import _bytes, _millicores
 from torchrec_cloud.deploy.profiles import load_profile
 from torchrec_cloud.deploy.serving import INFLIGHT_METRIC
 from torchrec_cloud.deploy.spec import DeploySpec
@@ -113,6 +114,47 @@ def test_gpu_replicas_ask_for_gpus_on_the_gpu_nodes():
 def the_server(pod: dict) -> tuple[list[str], dict]:
     (container,) = pod["containers"]
     return container["args"], container["resources"]
+
+
+def qos_class(pod: dict) -> str:
+    """The pod's QoS class by the kubelet's rule (kubernetes
+    ``pkg/apis/core/v1/helper/qos/qos.go``, ``GetPodQOS``, read at 0c4236dd): cpu and memory
+    only, summed over the containers and init containers; Guaranteed when every container has
+    both limits and the requests equal the limits."""
+    amount = {"cpu": lambda q: _millicores(q, "test"), "memory": lambda q: _bytes(q, "memory", "test")}
+    requests: dict[str, int] = {}
+    limits: dict[str, int] = {}
+    guaranteed = True
+    for container in [*pod["containers"], *pod.get("initContainers", [])]:
+        resources = container.get("resources", {})
+        for kind, total in (("requests", requests), ("limits", limits)):
+            for name, quantity in resources.get(kind, {}).items():
+                if name in amount and amount[name](quantity) > 0:
+                    total[name] = total.get(name, 0) + amount[name](quantity)
+        limited = {n for n, q in resources.get("limits", {}).items() if n in amount and amount[n](q) > 0}
+        guaranteed &= limited == {"cpu", "memory"}
+    if not requests and not limits:
+        return "BestEffort"
+    if guaranteed and all(limits.get(name) == value for name, value in requests.items()) and len(requests) == len(limits):
+        return "Guaranteed"
+    return "Burstable"
+
+
+@pytest.mark.parametrize("cloud", CLOUDS)
+@pytest.mark.parametrize("variant", [{}, {"gpus": 1}, {"launcher": "kserve"}], ids=["cpu", "gpu", "kserve"])
+def test_a_replica_is_guaranteed_so_its_workers_can_have_cores_of_their_own(cloud, variant):
+    """A worker's requests wait while another process holds its core (bench/RESULTS.md): the
+    kubelet's static CPU manager gives a container whole CPUs of its own only in a Guaranteed
+    pod with a whole number of CPUs (``pkg/kubelet/cm/cpumanager/policy_static.go``,
+    ``guaranteedCPUs``). The /dev/shm volume, which counts against the memory limit, is in
+    the memory request too, so the limits equal the requests."""
+    pod = the_pod(checked(serve(cloud=cloud, **variant)))
+    assert qos_class(pod) == "Guaranteed"
+    args, resources = the_server(pod)
+    cpus = _millicores(resources["requests"]["cpu"], "test")
+    assert cpus % 1000 == 0
+    if not variant.get("gpus"):
+        assert int(args[args.index("--workers") + 1]) == cpus // 1000  # a core for each worker
 
 
 @pytest.mark.parametrize("cloud", CLOUDS)

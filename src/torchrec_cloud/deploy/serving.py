@@ -152,10 +152,15 @@ def serve_context(spec: DeploySpec, profile: Profile) -> dict[str, Any]:
 
 
 def _resources(spec: DeploySpec, profile: Profile, shm: str, workers: int) -> dict[str, Any]:
-    """A replica's cpu and memory requested and capped (limits default to the requests,
-    /dev/shm added to the memory limit, which it counts against), and its GPUs. A CPU at
+    """A replica's cpu and memory requested and capped (limits default to the requests;
+    /dev/shm, which counts against the memory limit, added to both), and its GPUs. A CPU at
     least for each of its ``workers``: under a smaller quota the kernel throttles them in
-    turn, holding every request of a throttled worker's event loop."""
+    turn, holding every request of a throttled worker's event loop. Requests equal to the
+    limits make the pod Guaranteed (kubernetes ``pkg/apis/core/v1/helper/qos/qos.go``,
+    ``GetPodQOS``), the only class whose whole CPUs the kubelet's static CPU manager gives
+    to the container alone (``pkg/kubelet/cm/cpumanager/policy_static.go``,
+    ``guaranteedCPUs``): otherwise the workers share their cores with other pods, and a
+    request waits while another process holds its worker's core."""
     from torchrec_cloud.deploy.pod import _bytes, _cpu_text, _memory_text, _millicores
 
     where = f"profile {profile.name!r}, serving"
@@ -165,6 +170,7 @@ def _resources(spec: DeploySpec, profile: Profile, shm: str, workers: int) -> di
     memory = _bytes(requests["memory"], "cloud", where)
     cpu_limit = max(_millicores(given["cpu"], where), cpu) if "cpu" in given else cpu
     memory_limit = (_bytes(given["memory"], "cloud", where) if "memory" in given else memory) + _bytes(shm, "cloud", where)
+    memory += _bytes(shm, "cloud", where)
     resources: dict[str, Any] = {
         "requests": {"cpu": _cpu_text(cpu), "memory": _memory_text(memory)},
         "limits": {"cpu": _cpu_text(cpu_limit), "memory": _memory_text(memory_limit)},
