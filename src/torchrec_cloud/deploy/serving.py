@@ -167,10 +167,10 @@ def _resources(spec: DeploySpec, profile: Profile, shm: str, workers: int) -> di
     requests = _setting(profile, "gpu_requests" if spec.gpus else "requests")
     given = {} if spec.gpus else (profile.serving.get("limits") or {})
     cpu = max(_millicores(requests["cpu"], where), 1000 * workers)
-    memory = _bytes(requests["memory"], "cloud", where)
+    shm_bytes = _bytes(shm, "cloud", where)
+    memory = _bytes(requests["memory"], "cloud", where) + shm_bytes
     cpu_limit = max(_millicores(given["cpu"], where), cpu) if "cpu" in given else cpu
-    memory_limit = (_bytes(given["memory"], "cloud", where) if "memory" in given else memory) + _bytes(shm, "cloud", where)
-    memory += _bytes(shm, "cloud", where)
+    memory_limit = _bytes(given["memory"], "cloud", where) + shm_bytes if "memory" in given else memory
     resources: dict[str, Any] = {
         "requests": {"cpu": _cpu_text(cpu), "memory": _memory_text(memory)},
         "limits": {"cpu": _cpu_text(cpu_limit), "memory": _memory_text(memory_limit)},
