@@ -235,10 +235,15 @@ def server_cpus(spec: str) -> set[int]:
     return cpus
 
 
+def wrk_threads() -> int:
+    """wrk's threads at most: two, or one per CPU it has where it has fewer."""
+    return min(2, len(WRK_CPUS) or 2)
+
+
 def where() -> str:
     if not SERVER_CPUS:
         return f"server and wrk on every CPU, wrk {'at nice -10' if WRK_PRIORITY else 'at the server priority'}"
-    threads = min(2, len(WRK_CPUS))
+    threads = wrk_threads()
     return (f"server and the offline limit on CPUs {sorted(SERVER_CPUS)}, wrk on {sorted(WRK_CPUS)} "
             f"({'one thread' if threads == 1 else f'{threads} threads'})")
 
@@ -259,8 +264,7 @@ def stolen(before: dict[str, list[int]], after: dict[str, list[int]]) -> float:
 
 
 def wrk(url: str, body: Path, clients: int, seconds: float, script: Path) -> dict:
-    threads = min(clients, 2, len(WRK_CPUS) or 2)
-    cmd = [*WRK_PRIORITY, "wrk", "-t", str(threads), "-c", str(clients), "-d", f"{seconds:g}s", "--timeout", "30s",
+    cmd = [*WRK_PRIORITY, "wrk", "-t", str(min(clients, wrk_threads())), "-c", str(clients), "-d", f"{seconds:g}s", "--timeout", "30s",
            "-s", str(script), url + "/v1/models/m:predict"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "BODY_FILE": str(body)},
                           preexec_fn=pinned(WRK_CPUS))  # fmt: skip
